@@ -1,0 +1,105 @@
+"""The narrow interface between the public `Buffer` and a communication backend.
+
+`Buffer` validates arguments, picks streams and wraps results; a backend only moves data. It
+gets already-checked requests and returns outputs allocated through `OutputAllocator`, so the
+caller decides which stream's allocator pool owns them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from ..handle import EPHandle
+
+
+class OutputAllocator:
+    """Allocates output tensors on a chosen CUDA stream (or plainly on CPU), and remembers them."""
+
+    def __init__(self, device: torch.device, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        self.device = device
+        self.stream = stream
+        self.allocated: list[torch.Tensor] = []
+
+    def _make(self, factory: Callable[..., torch.Tensor], shape, dtype) -> torch.Tensor:
+        if self.stream is None:
+            tensor = factory(shape, dtype=dtype, device=self.device)
+        else:
+            with torch.cuda.stream(self.stream):
+                tensor = factory(shape, dtype=dtype, device=self.device)
+        self.allocated.append(tensor)
+        return tensor
+
+    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        return self._make(torch.empty, shape, dtype)
+
+    def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:
+        # Zero-filling is queued on the current (communication) stream, not the allocation one.
+        return self._make(torch.empty, shape, dtype).zero_()
+
+
+@dataclass
+class DispatchRequest:
+    """A validated dispatch. T tokens, K slots, H hidden.
+
+    rows: payload tensors with T rows, moved as bytes: `[x]` (bf16 [T, H]) or
+        `[x_fp8 [T, H], scales [T, ceil(H/128)]]`.
+    topk_idx: [T, K] int64 or int32; topk_weights: [T, K] fp32 or None.
+    cached: a handle whose routing and layout are reused (no count exchange), or None.
+    """
+
+    rows: Sequence[torch.Tensor]
+    topk_idx: torch.Tensor
+    topk_weights: Optional[torch.Tensor]
+    num_experts: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    do_cpu_sync: bool
+    do_expand: bool
+    do_zero_padding: bool
+    cached: Optional[EPHandle]
+    alloc: OutputAllocator
+
+
+@dataclass
+class DispatchResult:
+    """recv_rows: one received tensor per request row tensor; other fields as `Buffer.dispatch`."""
+
+    recv_rows: list[torch.Tensor]
+    recv_topk_idx: Optional[torch.Tensor]
+    recv_topk_weights: Optional[torch.Tensor]
+    handle: EPHandle
+
+
+@dataclass
+class CombineRequest:
+    """A validated combine: `x` [rows, H] bf16 shaped like the dispatch output of `handle`."""
+
+    x: torch.Tensor
+    handle: EPHandle
+    topk_weights: Optional[torch.Tensor]
+    biases: tuple[torch.Tensor, ...]
+    alloc: OutputAllocator
+
+
+class Backend:
+    """What every backend provides. `rank`, `num_ranks` and `device` are set by the subclass."""
+
+    name = "abstract"
+    rank: int
+    num_ranks: int
+    device: torch.device
+
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        raise NotImplementedError
+
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+    def error_flags(self) -> Optional[torch.Tensor]:
+        """A device int32 tensor of sticky error bits (see `epcomm.errors`), or None."""
+        return None
+
+    def destroy(self) -> None:
+        pass

@@ -1,0 +1,315 @@
+"""Portable backend over `torch.distributed.all_to_all_single` (gloo on CPU, NCCL on GPU).
+
+Every token row travels as one byte record `[src_token + 1 | expert ids | weights | payload]`,
+so one all-to-all moves everything and FP8 needs no dtype support from the collective.
+
+- `do_cpu_sync=True`: per-rank counts are exchanged and read on the host, then an exact-split
+  all-to-all moves only real rows.
+- `do_cpu_sync=False`: every destination gets a block of `M` rows (the first 4 bytes of an
+  empty row are 0); the receiver counts its rows and compacts them on the device. No value is
+  read back to the host, so with NCCL the call is sync-free. gloo cannot move CUDA tensors,
+  so on a gloo group CUDA data is staged through host memory (correct, but not sync-free).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import errors
+from ..handle import EPHandle
+from ..layout import (SendLayout, compute_expert_layout, compute_send_layout, expand_capacity,
+                      last_slot_per_rank)
+from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
+
+_INT32 = 4
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """View a 2-D [T, n] tensor as [T, n * itemsize] uint8 (copying only if not contiguous)."""
+    return tensor.contiguous().view(torch.uint8)
+
+
+class _RecordCodec:
+    """Packs several 2-D [T, n_i] tensors into [T, nbytes] byte records and finds them again."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.fields = []
+        offset = 0
+        for tensor in tensors:
+            nbytes = tensor.shape[1] * tensor.element_size()
+            self.fields.append((offset, offset + nbytes, tensor.dtype))
+            offset += nbytes
+        self.nbytes = offset
+
+    def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        return torch.cat([_as_bytes(t) for t in tensors], dim=1)
+
+    def column_bytes(self, records: torch.Tensor, index: int) -> torch.Tensor:
+        """The strided byte columns of field `index`."""
+        start, end, _ = self.fields[index]
+        return records[:, start:end]
+
+    def read(self, records: torch.Tensor, index: int) -> torch.Tensor:
+        """Field `index` of every record as a new tensor of its dtype."""
+        return self.column_bytes(records, index).contiguous().view(self.fields[index][2])
+
+
+@dataclass
+class _CollectiveState:
+    """What combine and cached dispatch reuse.
+
+    send: this rank's routing. send_splits / recv_splits: host split sizes (sync mode only).
+    recv_slot: [rows] int64, the padded receive position (src * M + i) of each compact row,
+        `R * M` past the valid prefix (sync-free mode only).
+    """
+
+    send: SendLayout
+    send_splits: Optional[list[int]]
+    recv_splits: Optional[list[int]]
+    recv_slot: Optional[torch.Tensor]
+
+
+class CollectiveBackend(Backend):
+    name = "collective"
+
+    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.device = device
+        self._stage_on_host = device.type == "cuda" and dist.get_backend(group) == "gloo"
+        self._flags = torch.zeros((), dtype=torch.int32, device=device)
+
+    def error_flags(self) -> torch.Tensor:
+        return self._flags
+
+    # -- transport -------------------------------------------------------------------------
+    def _all_to_all(self, inp: torch.Tensor, out_rows: int, in_splits: Optional[list[int]] = None,
+                    out_splits: Optional[list[int]] = None) -> torch.Tensor:
+        """all_to_all_single along dim 0 (equal blocks when the split lists are None)."""
+        source = inp.cpu() if self._stage_on_host else inp
+        out = torch.empty((out_rows, *inp.shape[1:]), dtype=inp.dtype, device=source.device)
+        dist.all_to_all_single(out, source, out_splits, in_splits, group=self.group)
+        return out.to(self.device) if self._stage_on_host else out
+
+    def _exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int]]:
+        recv_counts = self._all_to_all(send_counts, self.num_ranks)
+        return send_counts.tolist(), recv_counts.tolist()
+
+    # -- dispatch --------------------------------------------------------------------------
+    def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        R, me, M, E = self.num_ranks, self.rank, request.num_max_tokens_per_rank, request.num_experts
+        num_local = E // R
+        topk_idx = request.topk_idx
+        num_tokens, num_topk = topk_idx.shape
+        sync = request.do_cpu_sync
+        cached = request.cached
+        if cached is not None:
+            state: _CollectiveState = cached.backend_state
+            send = state.send
+            send_splits, recv_splits = state.send_splits, state.recv_splits
+        else:
+            send = compute_send_layout(topk_idx, E, R)
+            out_of_range = ((topk_idx < -1) | (topk_idx >= E)).any()
+            self._flags.bitwise_or_(out_of_range.int() * errors.INVALID_EXPERT_ID)
+            send_splits, recv_splits = self._exchange_counts(send.send_counts) if sync else (None, None)
+
+        # One byte record per token; ids outside [0, E) travel as -1.
+        expert_ids = torch.where(send.slot_rank >= 0, topk_idx.long(), -1).int()
+        src_plus_one = (torch.arange(num_tokens, device=self.device, dtype=torch.int32)
+                        + (me * M + 1)).view(-1, 1)
+        fields = [src_plus_one, expert_ids]
+        if request.topk_weights is not None:
+            fields.append(request.topk_weights.float())
+        fields.extend(request.rows)
+        codec = _RecordCodec(fields)
+        records = codec.pack(fields)
+
+        # Scatter records into per-destination blocks (row `trash` swallows unsent pairs).
+        if sync:
+            block_base = torch.tensor([0] + send_splits[:-1], device=self.device).cumsum(0)
+            trash = sum(send_splits)
+        else:
+            block_base = torch.arange(R, device=self.device) * M
+            trash = R * M
+        send_buf = torch.empty(trash + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
+        if not sync:
+            send_buf[:, :_INT32].zero_()
+        for dest in range(R):
+            pos = send.send_pos[:, dest]
+            send_buf.index_copy_(0, torch.where(pos >= 0, block_base[dest] + pos, trash), records)
+        send_buf = send_buf[:trash]
+
+        if sync:
+            compact = self._all_to_all(send_buf, sum(recv_splits), send_splits, recv_splits)
+            recv_counts = torch.tensor(recv_splits, device=self.device)
+            recv_slot = None
+        else:
+            padded = self._all_to_all(send_buf, R * M)
+            present = padded[:, :_INT32].contiguous().view(torch.int32).view(R, M) > 0
+            recv_counts = present.long().sum(1)
+            first_row = recv_counts.cumsum(0) - recv_counts
+            within = torch.arange(M, device=self.device).expand(R, M)
+            compact_row = torch.where(present, first_row[:, None] + within, R * M).flatten()
+            compact = torch.empty(R * M + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
+            compact[:, :_INT32].zero_()
+            compact.index_copy_(0, compact_row, padded)
+            compact = compact[: R * M]
+            recv_slot = torch.full((R * M + 1,), R * M, dtype=torch.long, device=self.device)
+            recv_slot.scatter_(0, compact_row, torch.arange(R * M, device=self.device))
+            recv_slot = recv_slot[: R * M]
+        return self._finish_dispatch(request, codec, compact, recv_counts, num_local,
+                                     _CollectiveState(send, send_splits, recv_splits, recv_slot))
+
+    def _finish_dispatch(self, request: DispatchRequest, codec: _RecordCodec,
+                         compact: torch.Tensor, recv_counts: torch.Tensor, num_local: int,
+                         state: _CollectiveState) -> DispatchResult:
+        """Decode compact records into the outputs and the handle."""
+        R, me, M = self.num_ranks, self.rank, request.num_max_tokens_per_rank
+        sync, alloc = request.do_cpu_sync, request.alloc
+        num_rows, num_topk = compact.shape[0], request.topk_idx.shape[1]
+        src_token = codec.read(compact, 0).view(-1) - 1
+        row_valid = src_token >= 0
+        expert_ids = codec.read(compact, 1).long()
+        local_idx = torch.where(row_valid[:, None] & (expert_ids >= 0)
+                                & (expert_ids.div(num_local, rounding_mode="floor") == me),
+                                expert_ids - me * num_local, -1)
+        if sync:
+            capacity = num_rows * num_topk
+        else:
+            capacity = expand_capacity(R, M, num_topk, num_local, request.expert_alignment)
+        experts = compute_expert_layout(local_idx, num_local, request.expert_alignment, capacity)
+        self._flags.bitwise_or_(experts.overflow.int() * errors.EXPAND_OVERFLOW)
+        last_slot = last_slot_per_rank(torch.where(local_idx >= 0, me, -1), me)
+        metadata = torch.cat([src_token.view(-1, 1).long(), last_slot.view(-1, 1),
+                              experts.expand_rows], dim=1).int()
+
+        counts_list = None
+        if sync:
+            aligned = experts.psum_aligned - experts.starts
+            counts_list = aligned.tolist()
+            num_expanded = sum(counts_list) if request.do_expand else 0
+        else:
+            num_expanded = capacity if request.do_expand else 0
+
+        weight_index = 2 if request.topk_weights is not None else None
+        first_row_field = 3 if weight_index is not None else 2
+        recv_rows, recv_topk_idx, recv_weights = [], None, None
+        if request.do_expand:
+            pair_of_row = torch.full((num_expanded + 1,), -1, dtype=torch.long, device=self.device)
+            flat_rows = experts.expand_rows.flatten()
+            pair_of_row.scatter_(0, torch.where(flat_rows >= 0, flat_rows, num_expanded),
+                                 torch.arange(flat_rows.numel(), device=self.device))
+            pair_of_row = pair_of_row[:num_expanded]
+            source_row = pair_of_row.div(num_topk, rounding_mode="floor")
+            gap = (source_row < 0)[:, None]
+            for index, tensor in enumerate(request.rows):
+                out = alloc.empty((num_expanded, *tensor.shape[1:]), tensor.dtype)
+                torch.index_select(codec.column_bytes(compact, first_row_field + index), 0,
+                                   source_row.clamp(min=0), out=out.view(torch.uint8))
+                if request.do_zero_padding:
+                    out.masked_fill_(gap, 0)
+                recv_rows.append(out)
+            if weight_index is not None:
+                weights = codec.read(compact, weight_index).flatten()
+                recv_weights = alloc.empty((num_expanded,), torch.float32).copy_(
+                    torch.where(pair_of_row >= 0, weights[pair_of_row.clamp(min=0)], 0.0))
+        else:
+            for index, tensor in enumerate(request.rows):
+                out = alloc.empty((num_rows, *tensor.shape[1:]), tensor.dtype)
+                out.view(torch.uint8).copy_(codec.column_bytes(compact, first_row_field + index))
+                if request.do_zero_padding and not sync:
+                    out.masked_fill_(~row_valid[:, None], 0)
+                recv_rows.append(out)
+            recv_topk_idx = alloc.empty((num_rows, num_topk), request.topk_idx.dtype)
+            recv_topk_idx.copy_(local_idx)
+            if weight_index is not None:
+                recv_weights = alloc.empty((num_rows, num_topk), torch.float32).copy_(
+                    torch.where(row_valid[:, None], codec.read(compact, weight_index), 0.0))
+
+        if request.do_expand:
+            psum_expert = experts.starts + experts.counts
+        else:
+            psum_expert = experts.psum_aligned
+        handle = EPHandle(
+            psum_num_recv_tokens_per_scaleup_rank=recv_counts.cumsum(0).int(),
+            psum_num_recv_tokens_per_expert=psum_expert.int(),
+            num_unaligned_recv_tokens_per_expert=experts.counts.int(),
+            num_recv_tokens_per_expert_list=counts_list,
+            recv_src_metadata=alloc.empty(tuple(metadata.shape), torch.int32).copy_(metadata),
+            topk_idx=request.topk_idx,
+            num_experts=request.num_experts,
+            expert_alignment=request.expert_alignment,
+            num_max_tokens_per_rank=M,
+            do_expand=request.do_expand,
+            do_cpu_sync=sync,
+            num_recv_tokens=num_rows,
+            num_expanded_tokens=num_expanded,
+            backend_state=state,
+        )
+        return DispatchResult(recv_rows, recv_topk_idx, recv_weights, handle)
+
+    # -- combine ---------------------------------------------------------------------------
+    def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        handle = request.handle
+        state: _CollectiveState = handle.backend_state
+        R, M = self.num_ranks, handle.num_max_tokens_per_rank
+        num_rows = handle.num_recv_tokens
+        num_tokens, num_topk = handle.topk_idx.shape
+        expand_rows = handle.recv_src_metadata[:, 2:].long()
+        x, weights = request.x, request.topk_weights
+
+        if handle.do_expand:
+            # Reduce each token's expert rows in slot order, in fp32, one bf16 rounding.
+            acc = torch.zeros(num_rows, x.shape[1], dtype=torch.float32, device=self.device)
+            for slot in range(num_topk):
+                rows = expand_rows[:, slot]
+                acc = torch.where((rows >= 0)[:, None], acc + x[rows.clamp(min=0)].float(), acc)
+            reduced = acc.to(torch.bfloat16)
+            if weights is not None:
+                weights = torch.where(expand_rows >= 0, weights[expand_rows.clamp(min=0)], 0.0)
+        else:
+            reduced = x
+        fields = [reduced] if weights is None else [reduced, weights.float()]
+        codec = _RecordCodec(fields)
+        records = codec.pack(fields)
+
+        send = state.send
+        if handle.do_cpu_sync:
+            returned = self._all_to_all(records, sum(state.send_splits), state.recv_splits,
+                                        state.send_splits)
+            if returned.shape[0] == 0:  # nothing was sent: keep one row for the masked gathers
+                returned = records.new_zeros(1, codec.nbytes)
+            block_base = torch.tensor([0] + state.send_splits[:-1], device=self.device).cumsum(0)
+        else:
+            back = torch.empty(R * M + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
+            back.index_copy_(0, state.recv_slot, records)
+            returned = self._all_to_all(back[: R * M], R * M)
+            block_base = torch.arange(R, device=self.device) * M
+
+        # Sum the returned rows on the source in the order of each rank's last slot.
+        acc = torch.zeros(num_tokens, x.shape[1], dtype=torch.float32, device=self.device)
+        for bias in request.biases:
+            acc = acc + bias.float()
+        slot_rows = []
+        for slot in range(num_topk):
+            owner = send.slot_rank[:, slot].clamp(min=0)
+            row = (block_base[owner] + send.send_pos.gather(1, owner[:, None]).view(-1)).clamp(min=0)
+            slot_rows.append(row)
+            part = torch.index_select(codec.column_bytes(returned, 0), 0, row)
+            part = part.view(torch.bfloat16).float()
+            acc = torch.where(send.is_last_slot[:, slot, None], acc + part, acc)
+        combined_x = request.alloc.empty((num_tokens, x.shape[1]), torch.bfloat16)
+        combined_x.copy_(acc)
+
+        combined_weights = None
+        if weights is not None:
+            returned_weights = codec.read(returned, 1)
+            gathered = torch.stack([returned_weights[row, slot] for slot, row in enumerate(slot_rows)],
+                                   dim=1)
+            combined_weights = request.alloc.empty((num_tokens, num_topk), torch.float32).copy_(
+                torch.where(send.slot_rank >= 0, gathered, 0.0))
+        return combined_x, combined_weights

@@ -1,0 +1,397 @@
+"""The public `Buffer`: validates arguments, controls streams and picks a backend."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+
+from . import errors
+from .backends import make_backend
+from .backends.base import CombineRequest, DispatchRequest, OutputAllocator
+from .events import EventOverlap
+from .handle import EPHandle
+
+DispatchInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+_buffer_ids = itertools.count()
+_comm_streams: dict[int, "torch.cuda.Stream"] = {}
+
+FP8_BLOCK = 128
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
+                  device: torch.device) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
+    _require(tensor.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    _require(tensor.device == device,
+             f"{name} must be on {device} (the buffer's device), got {tensor.device}")
+
+
+class Buffer:
+    """Expert-parallel dispatch and combine over one process group.
+
+    Args:
+        group: the EP process group (gloo for CPU tensors; NCCL, or gloo with host staging,
+            for CUDA tensors; the symmetric backend bootstraps over any group).
+        num_max_tokens_per_rank: M, the most tokens any rank passes to one dispatch (the same
+            value on every rank); sizes sync-free outputs (`R * M` compact rows).
+        hidden: H, the row width of dispatched and combined tensors.
+        num_topk: K, the top-k slots of each token.
+        use_fp8_dispatch: whether dispatch inputs will be FP8 tuples (informational: both
+            bf16 and FP8 dispatch are accepted; combine is always bf16).
+        deterministic: accepted for DeepEP parity; epcomm results are always deterministic.
+        backend: "auto", "collective" or "symmetric" (see `buffer.backend` for the choice).
+        num_sms: SMs for the communication kernels of the symmetric backend (None: default).
+        device: where tensors live; default the current CUDA device, else CPU.
+        timeout_s: how long a peer may be waited for before a timeout error.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
+                 num_topk: int, use_fp8_dispatch: bool = False, deterministic: bool = True,
+                 backend: str = "auto", num_sms: Optional[int] = None,
+                 device: Optional[Union[str, torch.device]] = None,
+                 timeout_s: float = 100.0) -> None:
+        for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
+                            ("hidden", hidden), ("num_topk", num_topk)):
+            _require(isinstance(value, int) and value > 0,
+                     f"{name} must be a positive int, got {value!r}")
+        _require(backend in ("auto", "collective", "symmetric"),
+                 f"backend must be 'auto', 'collective' or 'symmetric', got {backend!r}")
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) \
+                if torch.cuda.is_available() else torch.device("cpu")
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.num_max_tokens_per_rank = num_max_tokens_per_rank
+        self.hidden = hidden
+        self.num_topk = num_topk
+        self.use_fp8_dispatch = use_fp8_dispatch
+        self.deterministic = deterministic
+        self.timeout_s = timeout_s
+        self.avoid_record_stream = os.environ.get("EP_AVOID_RECORD_STREAM", "0") == "1"
+        self.buffer_id = next(_buffer_ids)
+        self._pending: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._impl = make_backend(backend, self)
+        self.num_sms = getattr(self._impl, "num_sms", num_sms)
+        self._destroyed = False
+
+    # -- information -----------------------------------------------------------------------
+    @property
+    def backend(self) -> str:
+        """The backend in use: "collective" or "symmetric"."""
+        return self._impl.name
+
+    @staticmethod
+    def get_buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
+                             num_topk: int) -> int:
+        """Bytes of receive space one rank needs: a dispatch region of `R * M` records (bf16
+        row, FP8 scales, expert ids, weights, source index) and a combine region of `R * M`
+        bf16 rows with weights."""
+        rows = num_ranks * num_max_tokens_per_rank
+        dispatch_record = 2 * hidden + 4 * math.ceil(hidden / FP8_BLOCK) + 8 * num_topk + 4
+        combine_record = 2 * hidden + 4 * num_topk
+        return rows * (dispatch_record + combine_record)
+
+    def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
+        """The communication stream of this process's device (None for CPU buffers)."""
+        if self.device.type != "cuda":
+            return None
+        index = self.device.index
+        if index not in _comm_streams:
+            _comm_streams[index] = torch.cuda.Stream(device=self.device)
+        return _comm_streams[index]
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current CUDA stream (an empty one without CUDA), to pass
+        as `previous_event`."""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = torch.cuda.Event()
+        event.record()
+        return EventOverlap(event)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group has reached this point."""
+        self._check_alive()
+        dist.barrier(group=self.group)
+
+    def check_errors(self) -> None:
+        """Raise `EPError` for any error a sync-free call flagged on the device (reads the flag
+        back to the host, so it synchronizes), and clear the flag."""
+        flags_tensor = self._impl.error_flags()
+        if flags_tensor is None:
+            return
+        flags = int(flags_tensor.item())
+        if flags:
+            flags_tensor.zero_()
+            error = errors.EPTimeoutError if flags & errors.WAIT_TIMEOUT else errors.EPError
+            raise error(f"rank {self.rank}: {errors.describe_flags(flags)}")
+
+    def destroy(self) -> None:
+        """Release the backend's communication memory; the buffer cannot be used afterwards."""
+        if not self._destroyed:
+            self._drain_pending(wait=True)
+            self._impl.destroy()
+            self._destroyed = True
+
+    def _check_alive(self) -> None:
+        if self._destroyed:
+            raise RuntimeError("this Buffer was destroyed")
+
+    # -- validation ------------------------------------------------------------------------
+    def _validate_dispatch(self, x, topk_idx, topk_weights, num_experts, max_tokens,
+                           expert_alignment, do_cpu_sync, handle, previous_event,
+                           allocate_on_comm_stream):
+        dev = self.device
+        if isinstance(x, (tuple, list)):
+            _require(len(x) == 2, "x must be a bf16 tensor or a tuple (x_fp8, scales)")
+            x_fp8, scales = x
+            _check_tensor("x[0] (FP8 rows)", x_fp8, (torch.float8_e4m3fn,), 2, dev)
+            _check_tensor("x[1] (FP8 scales)", scales, (torch.float32, torch.int32), 2, dev)
+            expect = (x_fp8.shape[0], math.ceil(x_fp8.shape[1] / FP8_BLOCK))
+            _require(tuple(scales.shape) == expect,
+                     f"x[1] (FP8 scales) must have shape {expect}, got {tuple(scales.shape)}")
+            rows = [x_fp8.contiguous(), scales.contiguous()]
+        else:
+            _check_tensor("x", x, (torch.bfloat16,), 2, dev)
+            rows = [x.contiguous()]
+        num_tokens, hidden = rows[0].shape
+        _require(hidden == self.hidden, f"x must have hidden size {self.hidden}, got {hidden}")
+        _require(num_tokens <= max_tokens,
+                 f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={max_tokens}")
+        _require(isinstance(expert_alignment, int) and expert_alignment >= 1,
+                 f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if previous_event is not None:
+            _require(allocate_on_comm_stream,
+                     "previous_event requires allocate_on_comm_stream=True")
+        if handle is not None:
+            self._validate_handle(handle, num_tokens)
+            _require(num_experts is None or num_experts == handle.num_experts,
+                     f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
+            _require(max_tokens == handle.num_max_tokens_per_rank,
+                     f"num_max_tokens_per_rank={max_tokens} differs from the handle's "
+                     f"{handle.num_max_tokens_per_rank}")
+            topk_idx = handle.topk_idx
+        else:
+            _require(isinstance(num_experts, int) and num_experts > 0,
+                     f"num_experts must be a positive int, got {num_experts!r}")
+            _require(num_experts % self.num_ranks == 0,
+                     f"num_experts={num_experts} must be divisible by the group size {self.num_ranks}")
+            if topk_idx is None:
+                raise ValueError("topk_idx is required unless a handle is given")
+            _check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, dev)
+            _require(tuple(topk_idx.shape) == (num_tokens, self.num_topk),
+                     f"topk_idx must have shape {(num_tokens, self.num_topk)}, got {tuple(topk_idx.shape)}")
+            if dev.type == "cpu" or do_cpu_sync:
+                bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
+                _require(not bool(bad), f"topk_idx holds expert ids outside [-1, {num_experts})")
+        if topk_weights is not None:
+            _check_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)
+            _require(tuple(topk_weights.shape) == tuple(topk_idx.shape),
+                     f"topk_weights must have shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
+            topk_weights = topk_weights.contiguous()
+        return rows, topk_idx.contiguous(), topk_weights
+
+    def _validate_handle(self, handle, num_tokens: int) -> None:
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle, got {type(handle).__name__}")
+        _require(handle.buffer_id == self.buffer_id,
+                 "handle was made by another Buffer; use the buffer that dispatched it")
+        _require(handle.num_tokens == num_tokens,
+                 f"handle was made for {handle.num_tokens} tokens, this call has {num_tokens}")
+
+    # -- stream control --------------------------------------------------------------------
+    def _drain_pending(self, wait: bool = False) -> None:
+        """Drop references the comm stream no longer needs (EP_AVOID_RECORD_STREAM=1)."""
+        if not self._pending or torch.cuda.is_current_stream_capturing():
+            return
+        if wait:
+            self._pending[-1][0].synchronize()
+        self._pending = [entry for entry in self._pending if not entry[0].query()]
+
+    def _launch(self, work, inputs: Sequence[Optional[torch.Tensor]],
+                previous_event: Optional[EventOverlap], async_with_compute_stream: bool,
+                allocate_on_comm_stream: bool):
+        """Run `work(alloc)` on the communication stream with the contract's stream rules."""
+        self._check_alive()
+        if self.device.type != "cuda":
+            return work(OutputAllocator(self.device)), EventOverlap()
+        compute = torch.cuda.current_stream(self.device)
+        comm = self.get_comm_stream()
+        if previous_event is not None and previous_event.event is not None:
+            comm.wait_event(previous_event.event)
+        else:
+            comm.wait_stream(compute)
+        alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute)
+        with torch.cuda.stream(comm):
+            result = work(alloc)
+            event = torch.cuda.Event()
+            event.record(comm)
+        used = [t for t in inputs if t is not None]
+        outputs = alloc.allocated
+        held = None
+        if self.avoid_record_stream:
+            held = used + outputs
+            self._drain_pending()
+            self._pending.append((event, held))
+        else:
+            for tensor in used:
+                tensor.record_stream(comm)
+            for tensor in outputs:
+                tensor.record_stream(compute if allocate_on_comm_stream else comm)
+        if not async_with_compute_stream:
+            compute.wait_stream(comm)
+        return result, EventOverlap(event, extra_tensors=held)
+
+    # -- dispatch and combine --------------------------------------------------------------
+    def dispatch(self, x: DispatchInput, topk_idx: Optional[torch.Tensor] = None,
+                 topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
+                 num_max_tokens_per_rank: Optional[int] = None, expert_alignment: int = 1,
+                 do_cpu_sync: bool = True, do_expand: bool = False,
+                 do_zero_padding: bool = False, handle: Optional[EPHandle] = None,
+                 previous_event: Optional[EventOverlap] = None,
+                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
+                 do_handle_copy: bool = True):
+        """Send every token to the ranks holding its top-k experts.
+
+        Args:
+            x: [T, H] bf16, or (x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/128)] float32 or
+                int32), T <= M.
+            topk_idx: [T, K] int64 or int32 global expert ids, -1 for none. Not needed with
+                `handle`. Ids outside [-1, E) raise where the call reads the host (CPU tensors,
+                `do_cpu_sync=True`); a sync-free GPU call treats them as -1 and flags an error
+                for `check_errors()`.
+            topk_weights: [T, K] float32 or None.
+            num_experts: E, divisible by the group size (taken from `handle` when given).
+            num_max_tokens_per_rank: M, at most the buffer's (default: the buffer's).
+            expert_alignment: each expert's row count (compact) or segment start (expand) is
+                aligned to this.
+            do_cpu_sync: True: exact-size outputs and `handle.num_recv_tokens_per_expert_list`.
+                False: capacity-size outputs, counts only on the device, no host sync.
+            do_expand: False: compact layout, one row per (source token, this rank).
+                True: expand layout, one row per (token, local expert slot), grouped by expert.
+            do_zero_padding: zero the rows that carry no token (alignment gaps, sync-free tail).
+            handle: reuse this handle's routing and layout (cached dispatch: no count exchange).
+            previous_event: the comm stream waits on this instead of the current stream
+                (requires `allocate_on_comm_stream=True`).
+            async_with_compute_stream: if True, wait on the returned event before reading.
+            allocate_on_comm_stream: allocate outputs from the comm stream's pool.
+            do_handle_copy: store a copy of `topk_idx` in the handle (else a reference).
+
+        Returns:
+            recv_x: [N, H] bf16, or (fp8 [N, H], scales [N, ceil(H/128)]); N rows as the layout.
+            recv_topk_idx: compact: [N, K] local expert ids, -1 for other ranks' experts;
+                expand: None.
+            recv_topk_weights: compact [N, K] float32 full rows; expand [N] float32; None
+                without `topk_weights`.
+            handle: `EPHandle` for combine and cached dispatch.
+            event: `EventOverlap` on the comm stream.
+        """
+        max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
+            else num_max_tokens_per_rank
+        _require(isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank,
+                 f"num_max_tokens_per_rank must be in [1, {self.num_max_tokens_per_rank}] "
+                 f"(the buffer's), got {max_tokens!r}")
+        rows, topk_idx, topk_weights = self._validate_dispatch(
+            x, topk_idx, topk_weights, num_experts, max_tokens, expert_alignment, do_cpu_sync,
+            handle, previous_event, allocate_on_comm_stream)
+        if handle is not None:
+            num_experts, expert_alignment = handle.num_experts, handle.expert_alignment
+            do_cpu_sync, do_expand = handle.do_cpu_sync, handle.do_expand
+        elif do_handle_copy:
+            topk_idx = topk_idx.clone()
+
+        def work(alloc: OutputAllocator):
+            return self._impl.dispatch(DispatchRequest(
+                rows=rows, topk_idx=topk_idx, topk_weights=topk_weights,
+                num_experts=num_experts, num_max_tokens_per_rank=max_tokens,
+                expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
+                do_zero_padding=do_zero_padding, cached=handle, alloc=alloc))
+
+        result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
+                                     async_with_compute_stream, allocate_on_comm_stream)
+        new_handle = result.handle
+        if handle is not None:
+            new_handle = handle
+        else:
+            new_handle.buffer_id = self.buffer_id
+            new_handle.num_tokens = rows[0].shape[0]
+            new_handle.hidden = self.hidden
+        recv_x = result.recv_rows[0] if len(rows) == 1 else tuple(result.recv_rows)
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, new_handle, event
+
+    def combine(self, x: torch.Tensor, handle: EPHandle,
+                topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, tuple[torch.Tensor, ...]] = None,
+                previous_event: Optional[EventOverlap] = None,
+                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+        """Bring expert outputs back to their source tokens and reduce them (fp32, fixed order).
+
+        Args:
+            x: bf16, shaped like the dispatch output of `handle` ([num_recv_tokens, H] compact,
+                [num_expanded_tokens, H] expand); rows past the valid prefix are ignored.
+            handle: the `EPHandle` of that dispatch.
+            topk_weights: compact [num_recv_tokens, K] or expand [num_expanded_tokens] float32,
+                sent back per slot; or None.
+            bias: None, one [T, H] bf16 tensor or a tuple of up to two, added in fp32 first.
+            previous_event, async_with_compute_stream, allocate_on_comm_stream: as in dispatch.
+
+        Returns:
+            combined_x: [T, H] bf16, `bf16(bias_sum + sum over receiving ranks)` in the order
+                of each rank's last top-k slot of the token.
+            combined_topk_weights: [T, K] float32, the weight each slot's owner sent back,
+                0 for -1 slots; None without `topk_weights`.
+            event: `EventOverlap` on the comm stream.
+        """
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle, got {type(handle).__name__}")
+        _require(handle.buffer_id == self.buffer_id,
+                 "handle was made by another Buffer; use the buffer that dispatched it")
+        rows = handle.num_output_rows
+        _check_tensor("x", x, (torch.bfloat16,), 2, self.device)
+        _require(tuple(x.shape) == (rows, self.hidden),
+                 f"x must have shape {(rows, self.hidden)} (the dispatch output of handle), "
+                 f"got {tuple(x.shape)}")
+        if topk_weights is not None:
+            expect = (rows,) if handle.do_expand else (rows, self.num_topk)
+            _check_tensor("topk_weights", topk_weights, (torch.float32,), len(expect), self.device)
+            _require(tuple(topk_weights.shape) == expect,
+                     f"topk_weights must have shape {expect}, got {tuple(topk_weights.shape)}")
+            topk_weights = topk_weights.contiguous()
+        biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+        _require(len(biases) <= 2, f"bias takes at most 2 tensors, got {len(biases)}")
+        for index, tensor in enumerate(biases):
+            _check_tensor(f"bias[{index}]", tensor, (torch.bfloat16,), 2, self.device)
+            _require(tuple(tensor.shape) == (handle.num_tokens, self.hidden),
+                     f"bias[{index}] must have shape {(handle.num_tokens, self.hidden)}, "
+                     f"got {tuple(tensor.shape)}")
+        if previous_event is not None:
+            _require(allocate_on_comm_stream,
+                     "previous_event requires allocate_on_comm_stream=True")
+        x = x.contiguous()
+
+        def work(alloc: OutputAllocator):
+            return self._impl.combine(CombineRequest(x=x, handle=handle, topk_weights=topk_weights,
+                                                     biases=biases, alloc=alloc))
+
+        (combined_x, combined_weights), event = self._launch(
+            work, [x, topk_weights, *biases], previous_event, async_with_compute_stream,
+            allocate_on_comm_stream)
+        return combined_x, combined_weights, event

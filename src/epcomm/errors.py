@@ -1,0 +1,27 @@
+"""Exceptions and the device-side error bits that sync-free kernels raise."""
+from __future__ import annotations
+
+# Sticky bits of a backend's device error flag; `Buffer.check_errors()` turns them into errors.
+INVALID_EXPERT_ID = 1  # an expert id outside [-1, num_experts) was treated as -1
+EXPAND_OVERFLOW = 2    # repeated expert ids needed more expand rows than the capacity
+WAIT_TIMEOUT = 4       # a peer did not arrive within the buffer's timeout
+
+_FLAG_TEXT = {
+    INVALID_EXPERT_ID: "an expert id in topk_idx was outside [-1, num_experts) and was ignored",
+    EXPAND_OVERFLOW: "repeated expert ids in a topk_idx row overflowed the expand capacity; "
+                     "the excess rows were dropped",
+    WAIT_TIMEOUT: "a peer did not arrive within the buffer timeout",
+}
+
+
+class EPError(RuntimeError):
+    """A dispatch or combine failed on the device (reported by `Buffer.check_errors`)."""
+
+
+class EPTimeoutError(EPError, TimeoutError):
+    """A peer did not arrive in time; the message names the rank and the stage."""
+
+
+def describe_flags(flags: int) -> str:
+    """Human-readable text for a set of error bits."""
+    return "; ".join(text for bit, text in _FLAG_TEXT.items() if flags & bit)

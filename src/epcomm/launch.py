@@ -1,0 +1,85 @@
+"""Start N local ranks, one process each, with a process group (tests, benchmarks, examples).
+
+`run_local_ranks(fn, world_size, *args)` spawns processes that each call `fn(*args)` after
+`torch.distributed` is initialised (gloo by default, bootstrapped over a TCP store on
+127.0.0.1), and re-raises the first rank's failure in the parent.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(rank: int, world_size: int, port: int, pg_backend: str, timeout_s: float,
+               fn: Callable[..., Any], args: tuple, result_queue) -> None:
+    # Keep CPU ranks from oversubscribing small machines.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(*args)
+        result_queue.put((rank, "ok", result))
+    except BaseException:
+        result_queue.put((rank, "error", traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, pg_backend: str = "gloo",
+                    timeout_s: float = 120.0) -> list[Any]:
+    """Run `fn(*args)` on `world_size` local ranks; return each rank's result, in rank order.
+
+    `fn` must be a module-level function (processes are spawned, not forked). A failure on any
+    rank raises RuntimeError carrying that rank's traceback.
+    """
+    context = mp.get_context("spawn")
+    queue = context.SimpleQueue()
+    port = free_port()
+    processes = [context.Process(target=_rank_main, daemon=False,
+                                 args=(rank, world_size, port, pg_backend, timeout_s, fn, args, queue))
+                 for rank in range(world_size)]
+    for process in processes:
+        process.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    while len(results) + len(failures) < world_size:
+        if queue.empty():
+            if not any(p.is_alive() for p in processes) and queue.empty():
+                break
+            time.sleep(0.02)
+            continue
+        rank, status, payload = queue.get()
+        if status == "ok":
+            results[rank] = payload
+        else:
+            failures.append(f"rank {rank}:\n{payload}")
+            for process in processes:  # the other ranks would wait for it until the timeout
+                if process.is_alive():
+                    process.terminate()
+            break
+    for process in processes:
+        process.join(timeout=timeout_s)
+        if process.is_alive():
+            process.kill()
+    if failures:
+        raise RuntimeError("a rank failed:\n" + "\n".join(failures))
+    if len(results) < world_size:
+        codes = [p.exitcode for p in processes]
+        raise RuntimeError(f"ranks exited without a result (exit codes {codes})")
+    return [results[rank] for rank in range(world_size)]

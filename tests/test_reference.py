@@ -1,0 +1,284 @@
+"""Tests of the independent reference (epcomm.reference) on gloo process groups.
+
+The expected tensors of the 2-rank example are worked out by hand from docs/semantics.md.
+"""
+
+import socket
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from epcomm.reference import ReferenceDispatch, reference_combine, reference_dispatch
+
+bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
+BIG = 2.0 ** 30  # exact in bf16; BIG + 1 == BIG in fp32, so it reveals the summation order
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world_size, timeout=timedelta(seconds=60))
+    try:
+        fn(rank, world_size, dist.group.WORLD)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(fn, world_size):
+    mp.spawn(_worker, args=(world_size, _free_port(), fn), nprocs=world_size, join=True)
+
+
+def _eq(got, want, what):
+    assert got is not None, f"{what}: got None"
+    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{what}:\n got {got}\nwant {want}"
+
+
+def _t(values, dtype, width=None):
+    """Tensor from a literal; ``width`` gives the row width when the list is empty."""
+    t = torch.tensor(values, dtype=dtype)
+    return t.reshape(0, width) if width is not None and t.numel() == 0 else t
+
+
+# ----------------------------------------------------------------------------- hand example
+#
+# R = 2, E = 4 (E_l = 2), M = 4, K = 3, H = 2, alignment 2.
+# Rank 0 has 4 tokens, rank 1 has none.
+#   t0 -> experts [1, 3, -1]   a -1 slot
+#   t1 -> experts [1, 2, 0]    two experts on rank 0 (slots 0 and 2) around one on rank 1,
+#                              so its last-slot rank order (r1 at j1, r0 at j2) differs from
+#                              its first-slot order
+#   t2 -> experts [3, -1, 3]   a repeated id (two (row, slot) pairs on rank 1)
+#   t3 -> experts [-1, -1, -1] sent nowhere
+
+X0 = [[1, 2], [3, 4], [5, 6], [7, 8]]
+IDX0 = [[1, 3, -1], [1, 2, 0], [3, -1, 3], [-1, -1, -1]]
+W0 = [[0.5, 0.25, 0.125], [0.75, 0.375, 0.25], [1.5, 2.5, 3.5], [4.0, 5.0, 6.0]]
+BIAS_A = [[0.5, 0], [BIG, 0], [0, 0.25], [1, -1]]
+BIAS_B = [[0.25, 1], [0, 1], [0, 0], [2, 2]]
+
+# Expected dispatch, per receiving rank.
+EXPECT = {
+    0: dict(
+        recv_x=[[1, 2], [3, 4]],                          # t0, t1
+        recv_topk_idx=[[1, -1, -1], [1, -1, 0]],
+        recv_topk_weights=[[0.5, 0.25, 0.125], [0.75, 0.375, 0.25]],
+        num_recv_tokens_per_rank=[2, 0],
+        num_recv_tokens_per_expert=[1, 2],                 # e0: (1,2); e1: (0,0),(1,0)
+        src_token=[0, 1],
+        last_slot=[0, 2],
+        expand_rows=[[2, -1, -1], [3, -1, 0]],             # starts [0, align(1) = 2]
+        expand_valid=[True, False, True, True],            # N_e = align(2 + 2) = 4
+        expert_starts=[0, 2],
+        expand_x=[[3, 4], [0, 0], [1, 2], [3, 4]],
+        expand_w=[0.25, 0.0, 0.5, 0.75],
+    ),
+    1: dict(
+        recv_x=[[1, 2], [3, 4], [5, 6]],                  # t0, t1, t2
+        recv_topk_idx=[[-1, 1, -1], [-1, 0, -1], [1, -1, 1]],
+        recv_topk_weights=[[0.5, 0.25, 0.125], [0.75, 0.375, 0.25], [1.5, 2.5, 3.5]],
+        num_recv_tokens_per_rank=[3, 0],
+        num_recv_tokens_per_expert=[1, 3],                 # e0: (1,1); e1: (0,1),(2,0),(2,2)
+        src_token=[0, 1, 2],
+        last_slot=[1, 1, 2],
+        expand_rows=[[-1, 2, -1], [-1, 0, -1], [3, -1, 4]],  # starts [0, align(1) = 2]
+        expand_valid=[True, False, True, True, True, False],  # N_e = align(2 + 3) = 6
+        expert_starts=[0, 2],
+        expand_x=[[3, 4], [0, 0], [1, 2], [5, 6], [5, 6], [0, 0]],
+        expand_w=[0.375, 0.0, 0.25, 1.5, 3.5, 0.0],
+    ),
+}
+
+# Combine inputs on each receiving rank: compact rows / weights, expand rows / weights
+# (gap rows hold garbage that must be ignored).
+COMBINE_IN = {
+    0: dict(xc=[[1, 2], [1, 3]], wc=[[10, 11, 12], [13, 14, 15]],
+            xe=[[0, 2], [1000, 1000], [1, 2], [1, 1]], we=[10, 99, 12, 13]),
+    1: dict(xc=[[4, 8], [-BIG, 16], [0.5, -3]], wc=[[20, 21, 22], [23, 24, 25], [26, 27, 28]],
+            xe=[[-BIG, 16], [1000, 1000], [4, 8], [1, 256], [1, 1], [-7, 7]],
+            we=[20, 99, 22, 23, 24, 99]),
+}
+# Expected combine results on rank 0 (rank 1 has no tokens).
+# Compact, bias (A, B): t0 = A+B + r0 + r1; t1 = A+B + r1 (last slot 1) + r0 (last slot 2):
+#   [BIG, 1] + [-BIG, 16] + [1, 3] = [1, 20] (first-slot order would give 0 in column 0).
+COMPACT_X = [[5.75, 11], [1, 20], [0.5, -2.75], [3, 1]]
+COMPACT_W = [[10, 21, 0], [13, 24, 15], [26, 0, 28], [0, 0, 0]]
+# Compact, no bias: t1 = (0 - BIG) + 1 = -BIG in fp32.
+COMPACT_X_NOBIAS = [[5, 10], [-BIG, 19], [0.5, -3], [0, 0]]
+# Expand, bias A: receivers first reduce per compact row in bf16:
+#   r0: n0 = [1, 2]; n1 = [1, 1] (slot 0) + [0, 2] (slot 2) = [1, 3]
+#   r1: n0 = [4, 8]; n1 = [-BIG, 16]; n2 = bf16([2, 257]) = [2, 256] (ties to even)
+#   t1 = [BIG, 0] + [-BIG, 16] + [1, 3] = [1, 19]
+#   t2 = bf16([0, 0.25] + [2, 256]) = [2, 256] (without the row rounding: 258).
+EXPAND_X = [[5.5, 10], [1, 19], [2, 256], [1, -1]]
+EXPAND_W = [[12, 22, 0], [13, 20, 10], [23, 0, 24], [0, 0, 0]]
+
+
+def _hand_example(rank, world_size, group):
+    tokens = 4 if rank == 0 else 0
+    x = _t(X0[:tokens], bf16, 2)
+    idx = _t(IDX0[:tokens], i64, 3)
+    w = _t(W0[:tokens], f32, 3)
+    exp = EXPECT[rank]
+    kw = dict(num_experts=4, num_max_tokens_per_rank=4, group=group, expert_alignment=2)
+
+    d = reference_dispatch(x, idx, w, do_expand=False, **kw)
+    assert isinstance(d, ReferenceDispatch)
+    _eq(d.recv_x, _t(exp["recv_x"], bf16), "recv_x")
+    _eq(d.recv_topk_idx, _t(exp["recv_topk_idx"], i64), "recv_topk_idx")
+    _eq(d.recv_topk_weights, _t(exp["recv_topk_weights"], f32), "recv_topk_weights")
+    for name in ("num_recv_tokens_per_rank", "num_recv_tokens_per_expert", "src_token",
+                 "last_slot", "expand_rows", "expert_starts"):
+        _eq(getattr(d, name), _t(exp[name], i64), name)
+    _eq(d.expand_valid, _t(exp["expand_valid"], torch.bool), "expand_valid")
+
+    de = reference_dispatch(x, idx, w, do_expand=True, **kw)
+    _eq(de.recv_x, _t(exp["expand_x"], bf16), "expand recv_x")
+    assert de.recv_topk_idx is None
+    _eq(de.recv_topk_weights, _t(exp["expand_w"], f32), "expand recv_topk_weights")
+    for name in ("num_recv_tokens_per_rank", "num_recv_tokens_per_expert", "src_token",
+                 "last_slot", "expand_rows", "expert_starts", "expand_valid"):
+        _eq(getattr(de, name), getattr(d, name), f"expand {name}")
+
+    dn = reference_dispatch(x, idx, None, do_expand=False, **kw)
+    assert dn.recv_topk_weights is None
+
+    cin = COMBINE_IN[rank]
+    bias_a, bias_b = _t(BIAS_A[:tokens], bf16, 2), _t(BIAS_B[:tokens], bf16, 2)
+    ckw = dict(topk_idx=idx, num_experts=4, group=group)
+    empty_x, empty_w = torch.zeros(0, 2, dtype=bf16), torch.zeros(0, 3, dtype=f32)
+
+    cx, cw = reference_combine(_t(cin["xc"], bf16), d, topk_weights=_t(cin["wc"], f32),
+                               bias=(bias_a, bias_b), **ckw)
+    _eq(cx, _t(COMPACT_X, bf16) if rank == 0 else empty_x, "compact combined_x")
+    _eq(cw, _t(COMPACT_W, f32) if rank == 0 else empty_w, "compact combined_topk_weights")
+
+    cx, cw = reference_combine(_t(cin["xc"], bf16), d, **ckw)
+    _eq(cx, _t(COMPACT_X_NOBIAS, bf16) if rank == 0 else empty_x, "compact combined_x, no bias")
+    assert cw is None
+
+    cx, cw = reference_combine(_t(cin["xe"], bf16), de, topk_weights=_t(cin["we"], f32),
+                               bias=bias_a, **ckw)
+    _eq(cx, _t(EXPAND_X, bf16) if rank == 0 else empty_x, "expand combined_x")
+    _eq(cw, _t(EXPAND_W, f32) if rank == 0 else empty_w, "expand combined_topk_weights")
+
+
+def test_hand_example_two_ranks():
+    _spawn(_hand_example, 2)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _one_rank(rank, world_size, group):
+    g = torch.Generator().manual_seed(0)
+    T, M, H, K, E = 7, 8, 16, 3, 4
+    x = torch.randint(-4, 5, (T, H), generator=g).to(bf16)
+    idx = torch.tensor([[0, 1, 2], [3, -1, -1], [-1, -1, -1], [2, 2, -1],
+                        [1, 0, 3], [-1, 3, -1], [0, 0, 0]], dtype=i64)
+    w = torch.rand(T, K, generator=g)
+    bias = torch.randint(-4, 5, (T, H), generator=g).to(bf16)
+    valid = idx >= 0
+    sent = valid.any(dim=1)
+    n_slots = valid.sum(dim=1)
+    kw = dict(num_experts=E, num_max_tokens_per_rank=M, group=group)
+
+    d = reference_dispatch(x, idx.to(torch.int32), w, expert_alignment=1, **kw)
+    _eq(d.recv_x, x[sent], "recv_x")
+    _eq(d.recv_topk_idx, idx[sent], "recv_topk_idx")
+    _eq(d.src_token, torch.nonzero(sent).flatten(), "src_token")
+    _eq(d.num_recv_tokens_per_expert, torch.bincount(idx[valid], minlength=E), "per expert")
+    cx, cw = reference_combine(d.recv_x, d, idx, E, group, topk_weights=d.recv_topk_weights)
+    _eq(cx, torch.where(sent[:, None], x, 0), "compact combine")
+    _eq(cw, torch.where(valid, w, 0.0), "compact combined weights")
+    cx, _ = reference_combine(d.recv_x, d, idx, E, group, bias=(bias,))
+    _eq(cx, (x.float() * sent[:, None] + bias.float()).to(bf16), "compact combine + bias")
+
+    de = reference_dispatch(x, idx, w, expert_alignment=4, do_expand=True, **kw)
+    _eq(de.expert_starts % 4, torch.zeros(E, dtype=i64), "aligned starts")
+    assert de.recv_x.shape[0] % 4 == 0
+    assert int(de.expand_valid.sum()) == int(n_slots.sum())
+    cx, cw = reference_combine(de.recv_x, de, idx, E, group, topk_weights=de.recv_topk_weights)
+    _eq(cx, (x.float() * n_slots[:, None]).to(bf16), "expand combine sums each slot once")
+    _eq(cw, torch.where(valid, w, 0.0), "expand combined weights")
+
+    # Bad input raises before any communication.
+    with pytest.raises(ValueError, match="topk_idx"):
+        reference_dispatch(x, torch.full((T, K), E, dtype=i64), None, **kw)
+    with pytest.raises(ValueError, match="num_max_tokens_per_rank"):
+        reference_dispatch(x, idx, None, num_experts=E, num_max_tokens_per_rank=T - 1,
+                           group=group)
+    with pytest.raises(ValueError, match="x must be"):
+        reference_combine(d.recv_x.float(), d, idx, E, group)
+
+
+def test_one_rank_combine_of_dispatch():
+    _spawn(_one_rank, 1)
+
+
+# ----------------------------------------------------------------------------- FP8 bytes
+
+FP8_T = [5, 0, 3]  # tokens per rank (rank 1 has none)
+FP8_M, FP8_H, FP8_K, FP8_E = 6, 200, 3, 6
+
+
+def _fp8_inputs(rank):
+    """Random raw bytes (NaN patterns included) as fp8 rows and scale rows, per source rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    T = FP8_T[rank]
+    x = torch.randint(0, 256, (T, FP8_H), generator=g, dtype=torch.uint8)
+    s = torch.randint(-2 ** 31, 2 ** 31, (T, 2), generator=g, dtype=torch.int64).to(torch.int32)
+    idx = torch.randint(-1, FP8_E, (T, FP8_K), generator=g)
+    return x.view(torch.float8_e4m3fn), s.view(f32), idx
+
+
+def _fp8_bytes(rank, world_size, group):
+    x, s, idx = _fp8_inputs(rank)
+    E_l = FP8_E // world_size
+    # The rows this rank must receive, computed directly from every source's inputs.
+    want_x, want_s, pairs = [], [], []  # pairs: (local expert, x row, s row) in compact order
+    for src in range(world_size):
+        sx, ss, sidx = _fp8_inputs(src)
+        for t in range(FP8_T[src]):
+            slots = [j for j in range(FP8_K) if sidx[t, j] >= 0 and sidx[t, j] // E_l == rank]
+            if slots:
+                want_x.append(sx[t].view(torch.uint8))
+                want_s.append(ss[t].view(torch.uint8))
+                pairs += [(int(sidx[t, j]) % E_l, sx[t], ss[t]) for j in slots]
+    u8 = torch.uint8
+    stack = lambda rows, w: torch.stack(rows) if rows else torch.zeros(0, w, dtype=u8)  # noqa
+    kw = dict(num_experts=FP8_E, num_max_tokens_per_rank=FP8_M, group=group)
+
+    d = reference_dispatch((x, s), idx, None, **kw)
+    rx, rs = d.recv_x
+    assert rx.dtype == torch.float8_e4m3fn and rs.dtype == f32
+    _eq(rx.view(u8), stack(want_x, FP8_H), "fp8 rows")
+    _eq(rs.view(u8), stack(want_s, 8), "scale rows")
+
+    de = reference_dispatch((x, s), idx, None, expert_alignment=4, do_expand=True, **kw)
+    ex, es = de.recv_x
+    n_e = de.expand_valid.shape[0]
+    want_ex = torch.zeros(n_e, FP8_H, dtype=u8)
+    want_es = torch.zeros(n_e, 8, dtype=u8)
+    for i in range(E_l):
+        mine = [(px, ps) for (e, px, ps) in pairs if e == i]
+        start = int(de.expert_starts[i])
+        for k, (px, ps) in enumerate(mine):
+            want_ex[start + k] = px.view(u8)
+            want_es[start + k] = ps.view(u8)
+    _eq(ex.view(u8), want_ex, "expand fp8 rows")
+    _eq(es.view(u8), want_es, "expand scale rows")
+
+
+def test_fp8_tuple_travels_as_bytes():
+    _spawn(_fp8_bytes, 3)
