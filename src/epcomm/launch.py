@@ -42,11 +42,12 @@ def _rank_main(rank: int, world_size: int, port: int, pg_backend: str, timeout_s
 
 
 def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, pg_backend: str = "gloo",
-                    timeout_s: float = 120.0) -> list[Any]:
+                    timeout_s: float = 120.0, deadline_s: float = 900.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` local ranks; return each rank's result, in rank order.
 
     `fn` must be a module-level function (processes are spawned, not forked). A failure on any
-    rank raises RuntimeError carrying that rank's traceback.
+    rank raises RuntimeError carrying that rank's traceback. `timeout_s` is the process group's
+    timeout; after `deadline_s` in all, the ranks are killed and RuntimeError is raised.
     """
     context = mp.get_context("spawn")
     queue = context.SimpleQueue()
@@ -58,9 +59,13 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, pg_back
         process.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    deadline = time.monotonic() + deadline_s
     while len(results) + len(failures) < world_size:
         if queue.empty():
             if not any(p.is_alive() for p in processes) and queue.empty():
+                break
+            if time.monotonic() > deadline:
+                failures.append(f"ranks still running after {deadline_s:.0f}s (deadline)")
                 break
             time.sleep(0.02)
             continue
@@ -69,10 +74,11 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, pg_back
             results[rank] = payload
         else:
             failures.append(f"rank {rank}:\n{payload}")
-            for process in processes:  # the other ranks would wait for it until the timeout
-                if process.is_alive():
-                    process.terminate()
             break
+    if failures:  # the other ranks would wait for the failed one until their timeout
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
     for process in processes:
         process.join(timeout=timeout_s)
         if process.is_alive():

@@ -82,30 +82,40 @@ def _exchange_counts(send_counts: Sequence[int], group, device) -> list:
     return [int(c) for c in recv.tolist()]
 
 
-def _all_to_all_rows(send: Tensor, send_counts: Sequence[int], recv_counts: Sequence[int],
-                     group) -> Tensor:
-    """Exact-split all-to-all of the rows (dim 0) of ``send``, moved as raw bytes.
+def _as_bytes(t: Tensor) -> Tensor:
+    """``[n, ...]`` tensor of any dtype -> ``[n, row_bytes]`` uint8 view (of a contiguous copy)."""
+    return t.contiguous().reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
 
-    ``send`` holds ``sum(send_counts)`` rows, the rows for rank 0 first. Returns
-    ``sum(recv_counts)`` rows of the same dtype and row shape, the rows from rank 0 first.
+
+def _from_bytes(b: Tensor, dtype: torch.dtype, row_shape: tuple) -> Tensor:
+    """Inverse of ``_as_bytes``."""
+    return b.view(dtype).reshape((b.shape[0],) + tuple(row_shape))
+
+
+def _all_to_all_rows(send: Tensor, rows: Optional[Tensor], send_counts: Sequence[int],
+                     recv_counts: Sequence[int], group) -> Tensor:
+    """Exact-split all-to-all of the rows ``send[rows]`` (all rows if ``rows`` is None).
+
+    The rows for rank 0 come first (``send_counts[0]`` of them), then rank 1's, ...
+    Returns ``sum(recv_counts)`` rows of ``send``'s dtype and row shape, the rows from rank 0
+    first. Rows are gathered and moved as raw bytes, so any dtype travels bit-exactly.
     """
-    dtype, row_shape = send.dtype, tuple(send.shape[1:])
-    row_numel = math.prod(row_shape)
-    send_bytes = send.contiguous().reshape(send.shape[0], row_numel).view(torch.uint8)
+    send_bytes = _as_bytes(send)
+    if rows is not None:
+        send_bytes = send_bytes[rows]
     recv_bytes = torch.empty((sum(recv_counts), send_bytes.shape[1]), dtype=torch.uint8,
                              device=send.device)
     dist.all_to_all_single(recv_bytes, send_bytes, output_split_sizes=list(recv_counts),
                            input_split_sizes=list(send_counts), group=group)
-    return recv_bytes.view(dtype).reshape((recv_bytes.shape[0],) + row_shape)
+    return _from_bytes(recv_bytes, send.dtype, send.shape[1:])
 
 
 def _scatter_rows(src: Tensor, src_rows: Tensor, dst_rows: Tensor, num_rows: int) -> Tensor:
     """``out = zeros(num_rows, ...)``; ``out[dst_rows] = src[src_rows]``, copied as bytes."""
-    row_shape = tuple(src.shape[1:])
-    src_bytes = src.contiguous().reshape(src.shape[0], math.prod(row_shape)).view(torch.uint8)
+    src_bytes = _as_bytes(src)
     out = torch.zeros((num_rows, src_bytes.shape[1]), dtype=torch.uint8, device=src.device)
     out[dst_rows] = src_bytes[src_rows]
-    return out.view(src.dtype).reshape((num_rows,) + row_shape)
+    return _from_bytes(out, src.dtype, src.shape[1:])
 
 
 def _slot_ranks(topk_idx: Tensor, num_experts: int, num_ranks: int, name: str) -> Tensor:
@@ -172,7 +182,7 @@ def reference_dispatch(x, topk_idx: Tensor, topk_weights: Optional[Tensor], num_
     recv_counts = _exchange_counts(send_counts, group, device)
 
     def move(t: Tensor) -> Tensor:
-        return _all_to_all_rows(t[order], send_counts, recv_counts, group)
+        return _all_to_all_rows(t, order, send_counts, recv_counts, group)
 
     src_token_ids = rank * num_max_tokens_per_rank + torch.arange(num_tokens, device=device)
     recv_parts = [move(p) for p in parts]
@@ -290,8 +300,8 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
     send_counts = [int(c) for c in d.num_recv_tokens_per_rank.tolist()]
     rows_from = [torch.nonzero((slot_rank == r).any(dim=1)).flatten() for r in range(num_ranks)]
     recv_counts = [int(rows.numel()) for rows in rows_from]
-    y_back = _all_to_all_rows(y, send_counts, recv_counts, group)
-    w_from = (_all_to_all_rows(w_back, send_counts, recv_counts, group)
+    y_back = _all_to_all_rows(y, None, send_counts, recv_counts, group)
+    w_from = (_all_to_all_rows(w_back, None, send_counts, recv_counts, group)
               if topk_weights is not None else None)
 
     # row_on[r][t] = row of y_back holding rank r's answer for token t (-1 if t not sent to r)
@@ -309,7 +319,7 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
     for j in range(num_topk):
         later = slot_rank[:, j + 1:]
         for r in range(num_ranks):
-            is_last = (slot_rank[:, j] == r) & ~(slot_rank[:, :j] == r).any(dim=1)
+            is_last = (slot_rank[:, j] == r) & ~(later == r).any(dim=1)
             tokens = torch.nonzero(is_last).flatten()
             acc[tokens] = acc[tokens] + y_back[row_on[r][tokens]].float()
     combined_x = acc.to(torch.bfloat16)

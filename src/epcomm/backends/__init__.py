@@ -17,4 +17,4 @@ def make_backend(choice: str, buffer) -> Backend:
         else:
             if choice == "symmetric" or symmetric_supported(buffer):
                 return SymmetricBackend(buffer)
-    return CollectiveBackend(buffer.group, buffer.device)
+    return CollectiveBackend(buffer.group, buffer.device, buffer.timeout_s)

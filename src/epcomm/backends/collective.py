@@ -13,6 +13,7 @@ so one all-to-all moves everything and FP8 needs no dtype support from the colle
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Sequence
 
 import torch
@@ -75,8 +76,9 @@ class _CollectiveState:
 class CollectiveBackend(Backend):
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
         self.group = group
+        self.timeout = timedelta(seconds=timeout_s)
         self.rank = dist.get_rank(group)
         self.num_ranks = dist.get_world_size(group)
         self.device = device
@@ -87,16 +89,29 @@ class CollectiveBackend(Backend):
         return self._flags
 
     # -- transport -------------------------------------------------------------------------
-    def _all_to_all(self, inp: torch.Tensor, out_rows: int, in_splits: Optional[list[int]] = None,
+    def _all_to_all(self, stage: str, inp: torch.Tensor, out_rows: int,
+                    in_splits: Optional[list[int]] = None,
                     out_splits: Optional[list[int]] = None) -> torch.Tensor:
         """all_to_all_single along dim 0 (equal blocks when the split lists are None)."""
         source = inp.cpu() if self._stage_on_host else inp
         out = torch.empty((out_rows, *inp.shape[1:]), dtype=inp.dtype, device=source.device)
-        dist.all_to_all_single(out, source, out_splits, in_splits, group=self.group)
+        work = dist.all_to_all_single(out, source, out_splits, in_splits, group=self.group,
+                                      async_op=True)
+        if source.device.type == "cpu":  # NCCL work is waited on by the stream, not the host
+            try:
+                work.wait(self.timeout)
+            except RuntimeError as exc:
+                if "timed out" not in str(exc).lower() and "timeout" not in str(exc).lower():
+                    raise
+                raise errors.EPTimeoutError(
+                    f"rank {self.rank}: {stage} timed out after {self.timeout.total_seconds():.0f}s "
+                    f"waiting for its peers ({exc})") from None
+        else:
+            work.wait()
         return out.to(self.device) if self._stage_on_host else out
 
     def _exchange_counts(self, send_counts: torch.Tensor) -> tuple[list[int], list[int]]:
-        recv_counts = self._all_to_all(send_counts, self.num_ranks)
+        recv_counts = self._all_to_all("dispatch (count exchange)", send_counts, self.num_ranks)
         return send_counts.tolist(), recv_counts.tolist()
 
     # -- dispatch --------------------------------------------------------------------------
@@ -144,11 +159,12 @@ class CollectiveBackend(Backend):
         send_buf = send_buf[:trash]
 
         if sync:
-            compact = self._all_to_all(send_buf, sum(recv_splits), send_splits, recv_splits)
+            compact = self._all_to_all("dispatch", send_buf, sum(recv_splits), send_splits,
+                                       recv_splits)
             recv_counts = torch.tensor(recv_splits, device=self.device)
             recv_slot = None
         else:
-            padded = self._all_to_all(send_buf, R * M)
+            padded = self._all_to_all("dispatch", send_buf, R * M)
             present = padded[:, :_INT32].contiguous().view(torch.int32).view(R, M) > 0
             recv_counts = present.long().sum(1)
             first_row = recv_counts.cumsum(0) - recv_counts
@@ -177,8 +193,8 @@ class CollectiveBackend(Backend):
         local_idx = torch.where(row_valid[:, None] & (expert_ids >= 0)
                                 & (expert_ids.div(num_local, rounding_mode="floor") == me),
                                 expert_ids - me * num_local, -1)
-        if sync:
-            capacity = num_rows * num_topk
+        if sync:  # a bound that every real row fits under
+            capacity = num_rows * num_topk + request.expert_alignment * num_local
         else:
             capacity = expand_capacity(R, M, num_topk, num_local, request.expert_alignment)
         experts = compute_expert_layout(local_idx, num_local, request.expert_alignment, capacity)
@@ -210,8 +226,8 @@ class CollectiveBackend(Backend):
                 out = alloc.empty((num_expanded, *tensor.shape[1:]), tensor.dtype)
                 torch.index_select(codec.column_bytes(compact, first_row_field + index), 0,
                                    source_row.clamp(min=0), out=out.view(torch.uint8))
-                if request.do_zero_padding:
-                    out.masked_fill_(gap, 0)
+                if request.do_zero_padding:  # on the bytes: FP8 has no masked_fill
+                    out.view(torch.uint8).masked_fill_(gap, 0)
                 recv_rows.append(out)
             if weight_index is not None:
                 weights = codec.read(compact, weight_index).flatten()
@@ -222,7 +238,7 @@ class CollectiveBackend(Backend):
                 out = alloc.empty((num_rows, *tensor.shape[1:]), tensor.dtype)
                 out.view(torch.uint8).copy_(codec.column_bytes(compact, first_row_field + index))
                 if request.do_zero_padding and not sync:
-                    out.masked_fill_(~row_valid[:, None], 0)
+                    out.view(torch.uint8).masked_fill_(~row_valid[:, None], 0)
                 recv_rows.append(out)
             recv_topk_idx = alloc.empty((num_rows, num_topk), request.topk_idx.dtype)
             recv_topk_idx.copy_(local_idx)
@@ -279,15 +295,15 @@ class CollectiveBackend(Backend):
 
         send = state.send
         if handle.do_cpu_sync:
-            returned = self._all_to_all(records, sum(state.send_splits), state.recv_splits,
-                                        state.send_splits)
+            returned = self._all_to_all("combine", records, sum(state.send_splits),
+                                        state.recv_splits, state.send_splits)
             if returned.shape[0] == 0:  # nothing was sent: keep one row for the masked gathers
                 returned = records.new_zeros(1, codec.nbytes)
             block_base = torch.tensor([0] + state.send_splits[:-1], device=self.device).cumsum(0)
         else:
             back = torch.empty(R * M + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
             back.index_copy_(0, state.recv_slot, records)
-            returned = self._all_to_all(back[: R * M], R * M)
+            returned = self._all_to_all("combine", back[: R * M], R * M)
             block_base = torch.arange(R, device=self.device) * M
 
         # Sum the returned rows on the source in the order of each rank's last slot.

@@ -1,0 +1,718 @@
+"""`python -m epcomm bench`: check and time dispatch / combine against a plain all-to-all.
+
+For each case (configuration x layout x dispatch dtype x sync mode) every rank
+
+1. checks one dispatch + combine through `Buffer` against the independent reference
+   (`epcomm.reference`) with `torch.equal` (sync-free outputs: only the valid prefix that the
+   handle's device counts describe, plus the contract's "past the prefix" conventions);
+2. times dispatch and combine separately: warm-up, barrier, `iters` calls, synchronize;
+   wall-clock per call (and the host time spent inside the calls).
+
+Baselines from the same run, with the same routing and per-rank byte counts:
+- `all_to_all_single` as a user would write dispatch: an all-to-all of the row counts, read on
+  the host, then an exact-split all-to-all of the payload bytes; and the reverse payload
+  all-to-all of the bf16 rows for combine (the counts are known by then);
+- on CUDA, a device `copy_` of the received bytes (GB/s counts read + write).
+
+Figures: the latency of a case is the median over ranks of each rank's mean per call; the
+bandwidth is "logical" (DeepEP's convention): bytes received per rank (compact rows, one per
+(source token, this rank) pair, own tokens included, times the row bytes incl. FP8 scales;
+combine: the same rows in bf16) divided by that rank's time, averaged over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["BenchConfig", "CONFIGS", "add_arguments", "run", "main"]
+
+FP8_BLOCK = 128
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One model shape. `tokens_gpu` / `tokens_cpu`: tokens per rank (T = M) by device."""
+
+    name: str
+    hidden: int
+    num_topk: int
+    num_experts: int
+    tokens_gpu: int
+    tokens_cpu: int
+    expand_alignment: int
+    # default timing per device: (iters, warmup)
+    iters_gpu: tuple[int, int] = (50, 5)
+    iters_cpu: tuple[int, int] = (10, 2)
+
+
+CONFIGS: dict[str, BenchConfig] = {
+    "small": BenchConfig("small", hidden=256, num_topk=4, num_experts=16, tokens_gpu=64,
+                         tokens_cpu=64, expand_alignment=1, iters_cpu=(20, 3)),
+    "dsv3": BenchConfig("dsv3", hidden=7168, num_topk=8, num_experts=256, tokens_gpu=4096,
+                        tokens_cpu=128, expand_alignment=128, iters_cpu=(5, 1)),
+}
+LAYOUTS = ("compact", "expand")
+DTYPES = ("bf16", "fp8")
+
+
+@dataclass(frozen=True)
+class Case:
+    config: str
+    layout: str
+    dtype: str
+    sync: bool
+
+    @property
+    def label(self) -> str:
+        return f"{self.config}/{self.layout}/{self.dtype}/{'sync' if self.sync else 'sync-free'}"
+
+
+@dataclass
+class Options:
+    """Everything a rank needs (picklable: it travels to spawned ranks)."""
+
+    ranks: int
+    pg_backend: str
+    device: str                       # "cuda" or "cpu"
+    backend: str                      # Buffer backend choice
+    configs: list[str]
+    layouts: list[str]
+    dtypes: list[str]
+    sync_modes: list[bool]
+    tokens: Optional[int]
+    iters: Optional[int]
+    warmup: Optional[int]
+    check: bool
+    seed: int
+    timeout_s: float
+    progress: bool = True
+
+    def tokens_for(self, cfg: BenchConfig) -> int:
+        if self.tokens is not None:
+            return self.tokens
+        return cfg.tokens_gpu if self.device == "cuda" else cfg.tokens_cpu
+
+    def iters_for(self, cfg: BenchConfig) -> tuple[int, int]:
+        iters, warmup = cfg.iters_gpu if self.device == "cuda" else cfg.iters_cpu
+        return (self.iters if self.iters is not None else iters,
+                self.warmup if self.warmup is not None else warmup)
+
+    def cases(self) -> list[Case]:
+        return [Case(c, layout, dtype, sync) for c in self.configs for layout in self.layouts
+                for dtype in self.dtypes for sync in self.sync_modes]
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _row_bytes(hidden: int, dtype: str) -> int:
+    """Bytes of one dispatched row: bf16, or FP8 plus its fp32 per-128-channel scales."""
+    if dtype == "bf16":
+        return 2 * hidden
+    return hidden + 4 * math.ceil(hidden / FP8_BLOCK)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_calls(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device,
+                group) -> tuple[float, float]:
+    """(wall seconds per call, host seconds spent inside each call) on this rank.
+
+    Warm-up, synchronize, barrier, `iters` back-to-back calls, synchronize. The host time is
+    the time each call takes to return (on CPU the same as the wall time; on CUDA the launch
+    and host-side work, including any host wait the call makes).
+    """
+    for _ in range(warmup):
+        fn()
+    _synchronize(device)
+    dist.barrier(group=group)
+    _synchronize(device)
+    host = 0.0
+    start = time.perf_counter()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        host += time.perf_counter() - t0
+    _synchronize(device)
+    wall = time.perf_counter() - start
+    return wall / iters, host / iters
+
+
+def _equal(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> bool:
+    """`torch.equal` with dtype and shape (FP8 compared as bytes, which torch.equal lacks)."""
+    if got is None or want is None:
+        return got is None and want is None
+    got, want = got.detach().cpu(), want.detach().cpu()
+    if got.dtype != want.dtype or got.shape != want.shape:
+        return False
+    if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        got, want = got.view(torch.uint8), want.view(torch.uint8)
+    return torch.equal(got, want)
+
+
+def _parts(x) -> list[torch.Tensor]:
+    return list(x) if isinstance(x, (tuple, list)) else [x]
+
+
+# ----------------------------------------------------------------------------- the check
+
+
+def _expand_valid_from_handle(handle, rows: int) -> torch.Tensor:
+    """[rows] bool: expert i's valid rows are [align(psum[i-1], a), psum[i]) (contract sec. 2)."""
+    psum = handle.psum_num_recv_tokens_per_expert.detach().cpu().long()
+    a = handle.expert_alignment
+    valid = torch.zeros(rows, dtype=torch.bool)
+    previous = 0
+    for end in psum.tolist():
+        start = _align(previous, a)
+        valid[max(0, min(start, rows)):max(0, min(end, rows))] = True
+        previous = end
+    return valid
+
+
+def _check_dispatch(case: Case, out, ref, num_ranks: int, M: int, K: int, E_l: int,
+                    a: int) -> list[str]:
+    """Compare `Buffer.dispatch` outputs with the reference; names of the fields that differ."""
+    from .layout import expand_capacity
+
+    recv_x, recv_idx, recv_w, handle, _ = out
+    bad: list[str] = []
+    names = ["recv_x"] if case.dtype == "bf16" else ["recv_x", "recv_x_scales"]
+    got_parts, want_parts = _parts(recv_x), _parts(ref.recv_x)
+    if len(got_parts) != len(want_parts):
+        return ["recv_x (type)"]
+
+    # Counts in the handle (device tensors, read here on the host).
+    psum_rank = handle.psum_num_recv_tokens_per_scaleup_rank.detach().cpu().long()
+    counts = ref.num_recv_tokens_per_expert.cpu()
+    starts = ref.expert_starts.cpu()
+    aligned = (counts + a - 1) // a * a
+    psum_expert = starts + counts if case.layout == "expand" else aligned.cumsum(0)
+    if not (_equal(psum_rank, ref.num_recv_tokens_per_rank.cpu().cumsum(0))
+            and _equal(handle.psum_num_recv_tokens_per_expert.detach().cpu().long(), psum_expert)
+            and _equal(handle.num_unaligned_recv_tokens_per_expert.detach().cpu().long(), counts)):
+        bad.append("handle counts")
+    if case.sync and handle.num_recv_tokens_per_expert_list != aligned.tolist():
+        bad.append("handle num_recv_tokens_per_expert_list")
+
+    if case.layout == "compact":
+        n_ref = int(ref.src_token.shape[0])
+        n = int(psum_rank[-1]) if psum_rank.numel() else 0
+        rows = n_ref if case.sync else num_ranks * M
+        if got_parts[0].shape[0] != rows:
+            bad.append(f"recv_x rows ({got_parts[0].shape[0]}, expected {rows})")
+            return bad
+        if n != n_ref:
+            bad.append(f"valid rows ({n}, expected {n_ref})")
+            return bad
+        for name, got, want in zip(names, got_parts, want_parts):
+            if not _equal(got[:n], want):
+                bad.append(name)
+        if recv_idx is None or not _equal(recv_idx[:n], ref.recv_topk_idx):
+            bad.append("recv_topk_idx")
+        elif not case.sync and not bool((recv_idx[n:] == -1).all()):
+            bad.append("recv_topk_idx past prefix (not -1)")
+        if not _equal(recv_w[:n] if recv_w is not None else None, ref.recv_topk_weights):
+            bad.append("recv_topk_weights")
+        elif not case.sync and not bool((recv_w[n:] == 0).all()):
+            bad.append("recv_topk_weights past prefix (not 0)")
+        return bad
+
+    # Expand layout.
+    n_ref = int(ref.expand_valid.shape[0])
+    rows = n_ref if case.sync else expand_capacity(num_ranks, M, K, E_l, a)
+    if got_parts[0].shape[0] != rows:
+        bad.append(f"recv_x rows ({got_parts[0].shape[0]}, expected {rows})")
+        return bad
+    if recv_idx is not None:
+        bad.append("recv_topk_idx (not None)")
+    valid = _expand_valid_from_handle(handle, rows)
+    want_valid = ref.expand_valid.cpu()
+    if not (torch.equal(valid[:n_ref], want_valid) and not bool(valid[n_ref:].any())):
+        bad.append("expand valid rows")
+        return bad
+    for name, got, want in zip(names, got_parts, want_parts):
+        if not _equal(got.detach().cpu()[:n_ref][want_valid], want.cpu()[want_valid]):
+            bad.append(name)
+    if not _equal(recv_w[:n_ref] if recv_w is not None else None, ref.recv_topk_weights):
+        bad.append("recv_topk_weights")
+    elif not case.sync and not bool((recv_w[n_ref:] == 0).all()):
+        bad.append("recv_topk_weights past prefix (not 0)")
+    return bad
+
+
+def _combine_inputs(case: Case, ref, handle, hidden: int, device: torch.device,
+                    generator: torch.Generator):
+    """Expert outputs for the combine check, built from the reference's dispatch (so combine is
+    checked even when dispatch differs): (reference input, buffer input, reference weights,
+    buffer weights). The buffer input has the handle's row count; rows outside the valid
+    prefix (and expand gaps) hold garbage, which combine must ignore."""
+    from .fp8 import per_token_cast_back
+
+    if case.dtype == "bf16":
+        y_ref = ref.recv_x
+    else:
+        y_ref = per_token_cast_back(*ref.recv_x)
+    w_ref = ref.recv_topk_weights
+    rows = handle.num_output_rows
+    garbage = (torch.randn((rows, hidden), generator=generator) * 1000).to(torch.bfloat16)
+    n = min(rows, y_ref.shape[0])
+    if case.layout == "expand":
+        keep = torch.zeros(rows, dtype=torch.bool)
+        keep[:n] = ref.expand_valid.cpu()[:n]
+        y_buf = torch.where(keep[:, None], torch.cat([y_ref.cpu()[:n], garbage[n:]]), garbage)
+    else:
+        y_buf = torch.cat([y_ref.cpu()[:n], garbage[n:]])
+    w_shape = (rows,) if case.layout == "expand" else (rows, w_ref.shape[1])
+    w_buf = torch.rand(w_shape, generator=generator)
+    w_buf[:n] = w_ref.cpu()[:n]
+    return y_ref, y_buf.to(device), w_ref, w_buf.to(device)
+
+
+# ----------------------------------------------------------------------------- one rank
+
+
+def _routing(cfg: BenchConfig, tokens: int, seed: int, rank: int):
+    """Random top-k routing (distinct experts per token), weights and activations of one rank."""
+    generator = torch.Generator().manual_seed(seed * 1009 + rank)
+    scores = torch.rand((tokens, cfg.num_experts), generator=generator)
+    topk_idx = scores.topk(cfg.num_topk, dim=1).indices.to(torch.int64)
+    topk_weights = torch.rand((tokens, cfg.num_topk), generator=generator)
+    x = torch.randn((tokens, cfg.hidden), generator=generator).to(torch.bfloat16)
+    return topk_idx, topk_weights, x, generator
+
+
+def _send_counts(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> list[int]:
+    """Tokens this rank sends to each rank (deduplicated)."""
+    dest = topk_idx.cpu() // (num_experts // num_ranks)
+    return [int((dest == r).any(dim=1).sum()) for r in range(num_ranks)]
+
+
+def _all_to_all_counts(send: list[int], device: torch.device, group) -> list[int]:
+    send_t = torch.tensor(send, dtype=torch.int64, device=device)
+    recv_t = torch.empty_like(send_t)
+    dist.all_to_all_single(recv_t, send_t, group=group)
+    return recv_t.tolist()
+
+
+def _rank_main(opts: Options) -> dict:
+    """Runs on every rank; returns this rank's raw measurements."""
+    from .buffer import Buffer
+    from .fp8 import per_token_cast_to_fp8
+    from .reference import reference_combine, reference_dispatch
+
+    group = dist.group.WORLD
+    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    device = torch.device("cuda", torch.cuda.current_device()) if opts.device == "cuda" \
+        else torch.device("cpu")
+    # gloo moves CPU tensors: the reference and the baseline run on host copies there.
+    coll_device = device if opts.pg_backend == "nccl" else torch.device("cpu")
+
+    progress = None
+    if rank == 0 and opts.progress:
+        from tqdm import tqdm
+        steps = len(opts.cases()) + len(opts.configs)
+        progress = tqdm(total=steps, desc="epcomm bench", file=sys.stderr, unit="step",
+                        dynamic_ncols=True)
+
+    def step(text: str) -> None:
+        if progress is not None:
+            progress.set_postfix_str(text)
+            progress.update()
+
+    result: dict[str, Any] = {"rank": rank, "cases": [], "baselines": {}, "backend": {}}
+    for config_name in opts.configs:
+        cfg = CONFIGS[config_name]
+        tokens = opts.tokens_for(cfg)
+        iters, warmup = opts.iters_for(cfg)
+        E, K, H = cfg.num_experts, cfg.num_topk, cfg.hidden
+        E_l = E // num_ranks
+        topk_idx, topk_weights, x, generator = _routing(cfg, tokens, opts.seed, rank)
+        inputs = {"bf16": x.to(device)}
+        if "fp8" in opts.dtypes:
+            inputs["fp8"] = tuple(t.to(device) for t in per_token_cast_to_fp8(x))
+        idx_dev, w_dev = topk_idx.to(device), topk_weights.to(device)
+        buffer = Buffer(group, num_max_tokens_per_rank=tokens, hidden=H, num_topk=K,
+                        use_fp8_dispatch="fp8" in opts.dtypes, backend=opts.backend,
+                        device=device, timeout_s=opts.timeout_s)
+        result["backend"][config_name] = buffer.backend
+
+        # -- per-rank byte counts and the baselines ------------------------------------------
+        send_counts = _send_counts(topk_idx, E, num_ranks)
+        recv_counts = _all_to_all_counts(send_counts, coll_device, group)
+        recv_rows = sum(recv_counts)
+        base: dict[str, Any] = {"send_rows": sum(send_counts), "recv_rows": recv_rows,
+                                "iters": iters, "warmup": warmup, "tokens": tokens}
+        count_tensor = torch.tensor(send_counts, dtype=torch.int64, device=coll_device)
+        for dtype in opts.dtypes:
+            row = _row_bytes(H, dtype)
+            send_buf = torch.randint(0, 255, (sum(send_counts), row), dtype=torch.uint8,
+                                     generator=generator).to(coll_device)
+
+            def a2a_dispatch(send_buf=send_buf, row=row):
+                got = torch.empty_like(count_tensor)
+                dist.all_to_all_single(got, count_tensor, group=group)
+                splits = got.tolist()                     # the host sync a user needs
+                out = torch.empty((sum(splits), row), dtype=torch.uint8, device=coll_device)
+                dist.all_to_all_single(out, send_buf, splits, send_counts, group=group)
+                return out
+
+            def a2a_payload(send_buf=send_buf, row=row):
+                out = torch.empty((recv_rows, row), dtype=torch.uint8, device=coll_device)
+                dist.all_to_all_single(out, send_buf, recv_counts, send_counts, group=group)
+                return out
+
+            wall, host = _time_calls(a2a_dispatch, iters, warmup, coll_device, group)
+            base[f"a2a_dispatch_{dtype}"] = {"s": wall, "host_s": host,
+                                             "bytes": recv_rows * row}
+            wall, host = _time_calls(a2a_payload, iters, warmup, coll_device, group)
+            base[f"a2a_payload_{dtype}"] = {"s": wall, "host_s": host, "bytes": recv_rows * row}
+            del send_buf
+        back_row = _row_bytes(H, "bf16")
+        back_buf = torch.randint(0, 255, (recv_rows, back_row), dtype=torch.uint8,
+                                 generator=generator).to(coll_device)
+
+        def a2a_combine():
+            out = torch.empty((sum(send_counts), back_row), dtype=torch.uint8, device=coll_device)
+            dist.all_to_all_single(out, back_buf, send_counts, recv_counts, group=group)
+            return out
+
+        wall, host = _time_calls(a2a_combine, iters, warmup, coll_device, group)
+        base["a2a_combine"] = {"s": wall, "host_s": host, "bytes": recv_rows * back_row}
+        del back_buf
+        if device.type == "cuda":
+            for dtype in opts.dtypes:
+                nbytes = max(1, recv_rows * _row_bytes(H, dtype))
+                src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                dst = torch.empty_like(src)
+                wall, host = _time_calls(lambda: dst.copy_(src), iters, warmup, device, group)
+                base[f"copy_{dtype}"] = {"s": wall, "host_s": host, "bytes": 2 * nbytes}
+                del src, dst
+        result["baselines"][config_name] = base
+        step(f"{config_name} baselines")
+
+        # -- the cases -------------------------------------------------------------------------
+        references: dict[tuple[str, str], Any] = {}
+        for case in [c for c in opts.cases() if c.config == config_name]:
+            expand = case.layout == "expand"
+            align = cfg.expand_alignment if expand else 1
+            xin = inputs[case.dtype]
+
+            def dispatch(case=case, xin=xin, expand=expand, align=align):
+                return buffer.dispatch(xin, idx_dev, w_dev, num_experts=E,
+                                       expert_alignment=align, do_cpu_sync=case.sync,
+                                       do_expand=expand)
+
+            record: dict[str, Any] = {"case": asdict(case), "tokens": tokens, "iters": iters,
+                                      "warmup": warmup, "recv_rows": recv_rows,
+                                      "dispatch_bytes": recv_rows * _row_bytes(H, case.dtype),
+                                      "combine_bytes": recv_rows * back_row,
+                                      "alignment": align, "mismatch": None}
+            out = dispatch()
+            handle = out[3]
+            combine_x = None
+            if opts.check:
+                key = (case.dtype, case.layout)
+                if key not in references:
+                    ref_x = tuple(t.to(coll_device) for t in _parts(xin))
+                    ref_x = ref_x if case.dtype == "fp8" else ref_x[0]
+                    references[key] = reference_dispatch(
+                        ref_x, topk_idx.to(coll_device), topk_weights.to(coll_device), E, tokens,
+                        group, expert_alignment=align, do_expand=expand)
+                ref = references[key]
+                bad: list[str] = []
+                try:
+                    bad += _check_dispatch(case, out, ref, num_ranks, tokens, K, E_l, align)
+                except Exception as exc:  # a shape surprise must not stop the other ranks
+                    bad.append(f"dispatch check raised {type(exc).__name__}: {exc}")
+                # Combine check: collective on both sides, so every rank always calls both.
+                y_ref, y_buf, w_ref, w_buf = _combine_inputs(case, ref, handle, H, device,
+                                                             generator)
+                want_x, want_w = reference_combine(y_ref.to(coll_device), ref,
+                                                   topk_idx.to(coll_device), E, group,
+                                                   topk_weights=w_ref.to(coll_device))
+                got_x, got_w, _ = buffer.combine(y_buf, handle, topk_weights=w_buf)
+                _synchronize(device)
+                if not _equal(got_x, want_x):
+                    bad.append("combined_x")
+                if not _equal(got_w, want_w):
+                    bad.append("combined_topk_weights")
+                record["mismatch"] = bad
+                combine_x = y_buf
+                del got_x, got_w, w_buf
+            if combine_x is None:
+                combine_x = torch.randn((handle.num_output_rows, H), generator=generator) \
+                    .to(torch.bfloat16).to(device)
+            del out
+            wall, host = _time_calls(dispatch, iters, warmup, device, group)
+            record["dispatch"] = {"s": wall, "host_s": host}
+            wall, host = _time_calls(lambda: buffer.combine(combine_x, handle), iters, warmup,
+                                     device, group)
+            record["combine"] = {"s": wall, "host_s": host}
+            del combine_x, handle
+            result["cases"].append(record)
+            step(case.label)
+        references.clear()
+        buffer.barrier()
+        buffer.destroy()
+    if progress is not None:
+        progress.close()
+    return result
+
+
+# ----------------------------------------------------------------------------- aggregation
+
+
+def _figure(per_rank: list[dict], bytes_key: Optional[str] = None) -> dict:
+    """Median over ranks of the per-rank time; mean over ranks of bytes / time."""
+    times = [r["s"] for r in per_rank]
+    hosts = [r["host_s"] for r in per_rank]
+    out = {"us": statistics.median(times) * 1e6, "host_us": statistics.median(hosts) * 1e6,
+           "us_per_rank": [t * 1e6 for t in times]}
+    if bytes_key is not None:
+        rates = [r[bytes_key] / r["s"] / 1e9 for r in per_rank if r["s"] > 0]
+        out["gbps"] = sum(rates) / len(rates) if rates else 0.0
+        out["bytes_per_rank"] = [r[bytes_key] for r in per_rank]
+    return out
+
+
+def aggregate(per_rank: list[dict], opts: Options) -> list[dict]:
+    """One row per case, figures combined over ranks."""
+    rows = []
+    for index, case_record in enumerate(per_rank[0]["cases"]):
+        records = [r["cases"][index] for r in per_rank]
+        case = Case(**case_record["case"])
+        bases = [r["baselines"][case.config] for r in per_rank]
+
+        def with_bytes(key, bytes_key, records=records):
+            return [dict(r[key], bytes=r[bytes_key]) for r in records]
+
+        mismatches = {r["rank"]: r["cases"][index]["mismatch"] for r in per_rank}
+        if not opts.check:
+            check = "skipped"
+        else:
+            check = "ok" if all(not m for m in mismatches.values()) else "MISMATCH"
+        row = {
+            "config": case.config, "layout": case.layout, "dtype": case.dtype,
+            "sync": case.sync, "backend": per_rank[0]["backend"][case.config],
+            "tokens_per_rank": case_record["tokens"], "alignment": case_record["alignment"],
+            "iters": case_record["iters"], "warmup": case_record["warmup"],
+            "recv_rows_per_rank": [r["recv_rows"] for r in records],
+            "check": check,
+            "mismatch": {str(k): v for k, v in mismatches.items() if v},
+            "dispatch": _figure(with_bytes("dispatch", "dispatch_bytes"), "bytes"),
+            "combine": _figure(with_bytes("combine", "combine_bytes"), "bytes"),
+            "a2a_dispatch": _figure([b[f"a2a_dispatch_{case.dtype}"] for b in bases], "bytes"),
+            "a2a_dispatch_payload": _figure([b[f"a2a_payload_{case.dtype}"] for b in bases],
+                                            "bytes"),
+            "a2a_combine": _figure([b["a2a_combine"] for b in bases], "bytes"),
+        }
+        if f"copy_{case.dtype}" in bases[0]:
+            row["copy"] = _figure([b[f"copy_{case.dtype}"] for b in bases], "bytes")
+        rows.append(row)
+    return rows
+
+
+def _format_table(header: list[str], lines: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
+              for i, h in enumerate(header)]
+    def fmt(cells):
+        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
+    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+    return "\n".join([fmt(header), sep] + [fmt(line) for line in lines])
+
+
+def format_tables(rows: list[dict]) -> str:
+    """The main table, then the host-time table (Markdown)."""
+    has_copy = any("copy" in r for r in rows)
+    header = ["config", "backend", "layout", "dtype", "sync", "tok/rank", "check",
+              "disp us", "disp GB/s", "comb us", "comb GB/s",
+              "a2a disp us", "a2a disp GB/s", "a2a comb us", "a2a comb GB/s"]
+    if has_copy:
+        header += ["copy GB/s"]
+    lines = []
+    for r in rows:
+        line = [r["config"], r["backend"], r["layout"], r["dtype"], "yes" if r["sync"] else "no",
+                str(r["tokens_per_rank"]), r["check"],
+                f"{r['dispatch']['us']:.1f}", f"{r['dispatch']['gbps']:.3f}",
+                f"{r['combine']['us']:.1f}", f"{r['combine']['gbps']:.3f}",
+                f"{r['a2a_dispatch']['us']:.1f}", f"{r['a2a_dispatch']['gbps']:.3f}",
+                f"{r['a2a_combine']['us']:.1f}", f"{r['a2a_combine']['gbps']:.3f}"]
+        if has_copy:
+            line.append(f"{r['copy']['gbps']:.1f}" if "copy" in r else "-")
+        lines.append(line)
+    main = _format_table(header, lines)
+    host_header = ["config", "layout", "dtype", "sync", "disp host us", "comb host us",
+                   "a2a disp host us", "a2a payload host us", "a2a comb host us"]
+    host_lines = [[r["config"], r["layout"], r["dtype"], "yes" if r["sync"] else "no",
+                   f"{r['dispatch']['host_us']:.1f}", f"{r['combine']['host_us']:.1f}",
+                   f"{r['a2a_dispatch']['host_us']:.1f}",
+                   f"{r['a2a_dispatch_payload']['host_us']:.1f}",
+                   f"{r['a2a_combine']['host_us']:.1f}"] for r in rows]
+    return main + "\n\nHost time per call (time for the call to return):\n\n" + \
+        _format_table(host_header, host_lines)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def _machine_info(opts: Options) -> dict:
+    info = {"torch": torch.__version__, "python": platform.python_version(),
+            "platform": platform.platform(), "cpu_count": os.cpu_count(),
+            "device": opts.device, "ranks": opts.ranks, "pg_backend": opts.pg_backend}
+    if opts.device == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(0)
+        info["num_gpus"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    else:
+        name = platform.processor() or platform.machine()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        info["device_name"] = name
+    return info
+
+
+def resolve_options(args: argparse.Namespace) -> Options:
+    """Turn parsed command-line arguments into `Options` (device, ranks and process group)."""
+    def split(text: str, allowed, what: str) -> list[str]:
+        items = [t.strip() for t in text.split(",") if t.strip()]
+        for item in items:
+            if item not in allowed:
+                raise SystemExit(f"epcomm bench: unknown {what} {item!r} (choose from "
+                                 f"{', '.join(allowed)})")
+        return items
+
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    device = "cpu" if args.cpu or num_gpus == 0 else "cuda"
+    if args.ranks is not None:
+        ranks = args.ranks
+    else:
+        ranks = num_gpus if device == "cuda" and num_gpus >= 2 else 4
+    if ranks < 1:
+        raise SystemExit("epcomm bench: --ranks must be >= 1")
+    pg = args.pg_backend
+    if pg == "auto":
+        pg = "nccl" if device == "cuda" and num_gpus >= 2 and ranks <= num_gpus else "gloo"
+    for name in ("iters", "warmup", "tokens"):
+        value = getattr(args, name)
+        if value is not None and value < (1 if name != "warmup" else 0):
+            raise SystemExit(f"epcomm bench: --{name} must be positive")
+    seed = args.seed if args.seed is not None else int(time.time()) % (2 ** 31)
+    sync_modes = [True, False] if args.sync_free else [True]
+    return Options(ranks=ranks, pg_backend=pg, device=device, backend=args.backend,
+                   configs=split(args.configs, CONFIGS, "config"),
+                   layouts=split(args.layouts, LAYOUTS, "layout"),
+                   dtypes=split(args.dtypes, DTYPES, "dtype"), sync_modes=sync_modes,
+                   tokens=args.tokens, iters=args.iters, warmup=args.warmup,
+                   check=args.check, seed=seed, timeout_s=args.timeout,
+                   progress=not args.no_progress)
+
+
+def run(opts: Options) -> dict:
+    """Run the benchmark on `opts.ranks` local ranks; return the report (rows + machine)."""
+    from .launch import run_local_ranks
+
+    started = time.perf_counter()
+    per_rank = run_local_ranks(_rank_main, opts.ranks, opts, pg_backend=opts.pg_backend,
+                               timeout_s=opts.timeout_s)
+    rows = aggregate(per_rank, opts)
+    machine = _machine_info(opts)
+    backends = sorted({r["backend"] for r in rows})
+    return {"machine": machine, "backend_requested": opts.backend, "backend_used": backends,
+            "options": asdict(opts), "seed": opts.seed, "rows": rows,
+            "elapsed_s": time.perf_counter() - started}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--ranks", type=int, default=None,
+                        help="local ranks (default: one per GPU with >= 2 GPUs over NCCL; "
+                             "else 4 ranks over gloo, sharing the one GPU or on CPU)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "collective", "symmetric"],
+                        help="Buffer backend (default auto; the one used is reported)")
+    parser.add_argument("--configs", default="small,dsv3",
+                        help=f"comma-separated configurations: {', '.join(CONFIGS)} "
+                             "(default: all)")
+    parser.add_argument("--layouts", default="compact,expand", help="compact,expand (default both)")
+    parser.add_argument("--dtypes", default="bf16,fp8",
+                        help="dispatch dtypes bf16,fp8 (default both; combine is always bf16)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="tokens per rank (= num_max_tokens_per_rank) for every config "
+                             "(default: dsv3 4096 on GPU, 128 on CPU; small 64)")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed calls per case (default: 50 on GPU; CPU 20 small, 5 dsv3)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="untimed calls first (default: 5 on GPU; CPU 3 small, 1 dsv3)")
+    parser.add_argument("--sync-free", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time do_cpu_sync=False (default: yes)")
+    parser.add_argument("--no-check", dest="check", action="store_false",
+                        help="skip the check against epcomm.reference")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write every figure and the machine info as JSON")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="routing seed (default: from the clock; printed)")
+    parser.add_argument("--pg-backend", default="auto", choices=["auto", "gloo", "nccl"],
+                        help="process group (default: nccl with one rank per GPU, else gloo)")
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU exists")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a rank may wait for a peer (default 600)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run `epcomm bench`; print the tables; return the exit status (1 on any mismatch)."""
+    opts = resolve_options(args)
+    print(f"epcomm bench: {opts.ranks} ranks, {opts.device}, pg {opts.pg_backend}, "
+          f"backend {opts.backend}, configs {','.join(opts.configs)}, seed {opts.seed}",
+          file=sys.stderr, flush=True)
+    try:
+        report = run(opts)
+    except RuntimeError as exc:
+        print(f"epcomm bench failed: {exc}", file=sys.stderr)
+        return 2
+    rows = report["rows"]
+    machine = report["machine"]
+    print(f"# epcomm bench: {machine['device_name']} ({machine['device']}), torch "
+          f"{machine['torch']}, {opts.ranks} ranks over {opts.pg_backend}, backend "
+          f"{'/'.join(report['backend_used'])} (asked {opts.backend}), seed {opts.seed}")
+    print("# latency: median over ranks of the per-rank mean per call; GB/s: logical "
+          "(bytes received per rank / time), mean over ranks; a2a disp = count all-to-all + "
+          "host read + exact-split payload all_to_all_single")
+    print()
+    print(format_tables(rows))
+    bad = [r for r in rows if r["check"] == "MISMATCH"]
+    for r in bad:
+        for rank, fields in r["mismatch"].items():
+            print(f"MISMATCH {r['config']}/{r['layout']}/{r['dtype']}/"
+                  f"{'sync' if r['sync'] else 'sync-free'} rank {rank}: {', '.join(fields)}")
+    print(f"\n# {report['elapsed_s']:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if bad else 0

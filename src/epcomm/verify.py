@@ -1,0 +1,253 @@
+"""Check a `Buffer` against the independent reference, bitwise (shared by tests and benchmarks).
+
+`check_round_trip(buffer, case)` dispatches and combines one `Case` through the buffer and
+through `epcomm.reference`, and raises `AssertionError` naming the first field that differs.
+Every comparison is `torch.equal` on the raw bits. The reference runs on CPU copies when the
+group is gloo (gloo moves only CPU tensors), else on the tensors' own device.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .fp8 import per_token_cast_to_fp8
+from .layout import align_up, expand_capacity
+from .reference import ReferenceDispatch, reference_combine, reference_dispatch
+
+ROUTINGS = ("balanced", "masked", "skewed", "same_rank")
+
+
+def make_routing(routing: str, num_tokens: int, num_topk: int, num_experts: int, num_ranks: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """[T, K] int64 expert ids with distinct ids per row.
+
+    balanced: K distinct experts drawn uniformly. masked: balanced with about a third of the
+    slots -1 (some rows all -1). skewed: only experts of rank 0 (other ranks receive nothing).
+    same_rank: slots 0 and 1 pick two experts of one rank (needs E_l >= 2).
+    """
+    num_local = num_experts // num_ranks
+    pool = num_local if routing == "skewed" else num_experts
+    k_real = min(num_topk, pool)
+    scores = torch.rand(num_tokens, pool, generator=generator)
+    idx = torch.full((num_tokens, num_topk), -1, dtype=torch.long)
+    idx[:, :k_real] = scores.argsort(dim=1)[:, :k_real]
+    if routing == "masked":
+        drop = torch.rand(num_tokens, num_topk, generator=generator) < 0.35
+        drop[: max(1, num_tokens // 8)] = True  # some tokens go nowhere
+        idx[drop] = -1
+    elif routing == "same_rank" and num_local >= 2 and num_topk >= 2:
+        ranks = torch.randint(0, num_ranks, (num_tokens,), generator=generator)
+        first = ranks * num_local + torch.randint(0, num_local, (num_tokens,), generator=generator)
+        second = ranks * num_local + (first - ranks * num_local + 1) % num_local
+        rest = idx[:, 2:]
+        clash = (rest == first[:, None]) | (rest == second[:, None])
+        idx[:, 2:] = torch.where(clash, -1, rest)
+        idx[:, 0], idx[:, 1] = first, second
+    return idx
+
+
+@dataclass
+class Case:
+    """One dispatch + combine. Inputs are drawn by `make_inputs` from the case's seed."""
+
+    routing: str = "balanced"
+    tokens: str = "uneven"      # "full": T = M; "uneven": T = M - rank; "empty_last": also T = 0 on the last rank
+    num_experts: int = 8
+    expert_alignment: int = 1
+    do_expand: bool = False
+    do_cpu_sync: bool = True
+    do_zero_padding: bool = False
+    fp8: bool = False
+    with_weights: bool = True
+    num_bias: int = 0
+    check_cached: bool = True
+    seed: int = 0
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bits of a tensor, for a `torch.equal` that is exact for every dtype."""
+    return tensor.contiguous().view(torch.uint8).cpu() if tensor.element_size() == 1 else \
+        tensor.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).cpu()
+
+
+def assert_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    if not torch.equal(_bits(got), _bits(want.to(got.dtype))):
+        diff = (_bits(got) != _bits(want.to(got.dtype)))
+        where = diff.nonzero()[:5].tolist()
+        raise AssertionError(f"{name}: {int(diff.sum())} elements differ, first at {where}")
+
+
+def num_tokens_of(case: Case, rank: int, num_ranks: int, max_tokens: int) -> int:
+    if case.tokens == "full":
+        return max_tokens
+    if case.tokens == "empty_last" and rank == num_ranks - 1:
+        return 0
+    return max(0, max_tokens - rank)
+
+
+def make_inputs(buffer, case: Case):
+    """Random inputs for this rank: (x, topk_idx, topk_weights, generator for later draws)."""
+    rank, num_ranks = buffer.rank, buffer.num_ranks
+    gen = torch.Generator().manual_seed(case.seed * 1000 + rank)
+    num_tokens = num_tokens_of(case, rank, num_ranks, buffer.num_max_tokens_per_rank)
+    topk_idx = make_routing(case.routing, num_tokens, buffer.num_topk, case.num_experts,
+                            num_ranks, gen)
+    x = torch.randn(num_tokens, buffer.hidden, generator=gen).to(torch.bfloat16)
+    weights = torch.rand(num_tokens, buffer.num_topk, generator=gen) if case.with_weights else None
+    dev = buffer.device
+    if case.fp8:
+        x_fp8, scales = per_token_cast_to_fp8(x)
+        x = (x_fp8.to(dev), scales.to(dev))
+    else:
+        x = x.to(dev)
+    return x, topk_idx.to(dev), None if weights is None else weights.to(dev), gen
+
+
+def _reference_group(group):
+    return dist.get_backend(group) == "gloo"
+
+
+def _host(value, to_cpu: bool):
+    if value is None or not to_cpu:
+        return value
+    if isinstance(value, tuple):
+        return tuple(v.cpu() for v in value)
+    return value.cpu()
+
+
+def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) -> None:
+    """Compare `buffer.dispatch` outputs with the reference (prefix, tails and handle)."""
+    recv_x, recv_idx, recv_w, handle = outputs[:4]
+    num_ranks, M, K = buffer.num_ranks, handle.num_max_tokens_per_rank, buffer.num_topk
+    num_local = case.num_experts // num_ranks
+    n = int(ref.src_token.shape[0])
+    counts = ref.num_recv_tokens_per_expert
+    aligned = (counts + case.expert_alignment - 1) // case.expert_alignment * case.expert_alignment
+    parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
+    ref_parts = ref.recv_x if isinstance(ref.recv_x, tuple) else (ref.recv_x,)
+
+    assert_equal("psum_num_recv_tokens_per_scaleup_rank", handle.psum_num_recv_tokens_per_scaleup_rank,
+                 ref.num_recv_tokens_per_rank.cumsum(0))
+    assert_equal("num_unaligned_recv_tokens_per_expert", handle.num_unaligned_recv_tokens_per_expert, counts)
+    want_psum = ref.expert_starts + counts if case.do_expand else aligned.cumsum(0)
+    assert_equal("psum_num_recv_tokens_per_expert", handle.psum_num_recv_tokens_per_expert, want_psum)
+    if case.do_cpu_sync:
+        assert handle.num_recv_tokens_per_expert_list == aligned.tolist(), "num_recv_tokens_per_expert_list"
+    else:
+        assert handle.num_recv_tokens_per_expert_list is None, "num_recv_tokens_per_expert_list must be None"
+
+    rows = n if case.do_cpu_sync else num_ranks * M
+    assert handle.num_recv_tokens == rows, f"num_recv_tokens {handle.num_recv_tokens} != {rows}"
+    meta = handle.recv_src_metadata
+    assert meta.shape == (rows, K + 2), f"recv_src_metadata shape {tuple(meta.shape)}"
+    assert_equal("recv_src_metadata[:, 0]", meta[:n, 0], ref.src_token)
+    assert_equal("recv_src_metadata[:, 1]", meta[:n, 1], ref.last_slot)
+    assert_equal("recv_src_metadata[:, 2:]", meta[:n, 2:], ref.expand_rows)
+    assert bool((meta[n:] == -1).all()), "recv_src_metadata past the valid prefix must be -1"
+
+    if case.do_expand:
+        n_e = int(ref.expand_valid.shape[0])
+        cap = n_e if case.do_cpu_sync else expand_capacity(num_ranks, M, K, num_local, case.expert_alignment)
+        assert handle.num_expanded_tokens == cap, f"num_expanded_tokens {handle.num_expanded_tokens} != {cap}"
+        assert recv_idx is None, "expand layout returns recv_topk_idx=None"
+        valid = ref.expand_valid.to(parts[0].device)
+        for index, (got, want) in enumerate(zip(parts, ref_parts)):
+            assert got.shape[0] == cap, f"recv_x[{index}] has {got.shape[0]} rows, want {cap}"
+            assert_equal(f"recv_x[{index}] expand rows", got[:n_e][valid], want.to(got.device)[valid])
+            if case.do_zero_padding:
+                assert_equal(f"recv_x[{index}] with zero padding", got[:n_e], want)
+                assert not bool(got[n_e:].view(torch.uint8).any()), f"recv_x[{index}] tail not zero"
+        if ref.recv_topk_weights is not None:
+            assert recv_w.shape == (cap,), f"recv_topk_weights shape {tuple(recv_w.shape)}"
+            assert_equal("recv_topk_weights (expand)", recv_w[:n_e], ref.recv_topk_weights)
+            assert not bool(recv_w[n_e:].any()), "recv_topk_weights tail must be 0"
+        else:
+            assert recv_w is None, "recv_topk_weights must be None without topk_weights"
+    else:
+        for index, (got, want) in enumerate(zip(parts, ref_parts)):
+            assert got.shape[0] == rows, f"recv_x[{index}] has {got.shape[0]} rows, want {rows}"
+            assert_equal(f"recv_x[{index}]", got[:n], want)
+            if case.do_zero_padding:
+                assert not bool(got[n:].view(torch.uint8).any()), f"recv_x[{index}] tail not zero"
+        assert_equal("recv_topk_idx", recv_idx[:n], ref.recv_topk_idx)
+        assert bool((recv_idx[n:] == -1).all()), "recv_topk_idx past the valid prefix must be -1"
+        if ref.recv_topk_weights is not None:
+            assert_equal("recv_topk_weights", recv_w[:n], ref.recv_topk_weights)
+            assert not bool(recv_w[n:].any()), "recv_topk_weights past the valid prefix must be 0"
+        else:
+            assert recv_w is None, "recv_topk_weights must be None without topk_weights"
+
+
+def check_round_trip(buffer, case: Case) -> None:
+    """Dispatch, (cached dispatch), combine one case; compare everything with the reference."""
+    x, topk_idx, weights, gen = make_inputs(buffer, case)
+    to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
+    outputs = buffer.dispatch(x, topk_idx, weights, num_experts=case.num_experts,
+                              expert_alignment=case.expert_alignment, do_cpu_sync=case.do_cpu_sync,
+                              do_expand=case.do_expand, do_zero_padding=case.do_zero_padding)
+    ref = reference_dispatch(_host(x, to_cpu), _host(topk_idx, to_cpu), _host(weights, to_cpu),
+                             case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
+                             case.expert_alignment, case.do_expand)
+    check_dispatch_outputs(buffer, case, outputs, ref)
+    handle = outputs[3]
+
+    if case.check_cached:
+        x2, _, weights2, _ = make_inputs(buffer, Case(**{**case.__dict__, "seed": case.seed + 7919}))
+        cached = buffer.dispatch(x2, topk_weights=weights2, handle=handle,
+                                 do_zero_padding=case.do_zero_padding)
+        ref2 = reference_dispatch(_host(x2, to_cpu), _host(topk_idx, to_cpu), _host(weights2, to_cpu),
+                                  case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
+                                  case.expert_alignment, case.do_expand)
+        try:
+            check_dispatch_outputs(buffer, case, cached, ref2)
+        except AssertionError as exc:
+            raise AssertionError(f"cached dispatch: {exc}") from None
+
+    # Expert outputs: random bf16 rows; rows outside the valid prefix hold NaN, which combine
+    # must ignore.
+    rows = handle.num_output_rows
+    n_valid = int(ref.expand_valid.shape[0]) if case.do_expand else int(ref.src_token.shape[0])
+    ignored = torch.ones(rows, dtype=torch.bool)
+    ignored[:n_valid] = ~ref.expand_valid.cpu() if case.do_expand else False
+    # Magnitudes spread over 2^-20..2^20 so that any change of summation order changes bits.
+    scale = torch.exp2(torch.randint(-20, 21, (rows, 1), generator=gen).float())
+    y = (torch.randn(rows, buffer.hidden, generator=gen) * scale).to(torch.bfloat16)
+    y[ignored] = float("nan")
+    y_weights = None
+    if case.with_weights:
+        y_weights = torch.rand((rows,) if case.do_expand else (rows, buffer.num_topk), generator=gen)
+        y_weights[ignored] = float("nan")
+    num_tokens = topk_idx.shape[0]
+    biases = tuple(torch.randn(num_tokens, buffer.hidden, generator=gen).to(torch.bfloat16)
+                   for _ in range(case.num_bias))
+    dev = buffer.device
+    combined, combined_w, _ = buffer.combine(
+        y.to(dev), handle, topk_weights=None if y_weights is None else y_weights.to(dev),
+        bias=tuple(b.to(dev) for b in biases) or None)
+    ref_dev = "cpu" if to_cpu or dev.type == "cpu" else dev
+    want, want_w = reference_combine(
+        y[:n_valid].to(ref_dev), ref, _host(topk_idx, to_cpu), case.num_experts, buffer.group,
+        topk_weights=None if y_weights is None else y_weights[:n_valid].to(ref_dev),
+        bias=tuple(b.to(ref_dev) for b in biases) or None)
+    assert_equal("combined_x", combined, want)
+    if want_w is None:
+        assert combined_w is None, "combined_topk_weights must be None without topk_weights"
+    else:
+        assert_equal("combined_topk_weights", combined_w, want_w)
+
+
+def describe(case: Case) -> str:
+    flags = [case.routing, "expand" if case.do_expand else "compact", f"a={case.expert_alignment}",
+             "sync" if case.do_cpu_sync else "sync-free", "fp8" if case.fp8 else "bf16",
+             "w" if case.with_weights else "no-w", f"bias={case.num_bias}", f"tokens={case.tokens}"]
+    if case.do_zero_padding:
+        flags.append("zero-pad")
+    return " ".join(flags)
+
+
+__all__ = ["Case", "ROUTINGS", "make_routing", "make_inputs", "check_round_trip",
+           "check_dispatch_outputs", "assert_equal", "describe", "align_up"]
