@@ -64,6 +64,30 @@ def test_matrix(num_ranks: int, device: str) -> None:
     assert counts == [64] * num_ranks
 
 
+def run_stream_options(device: str, avoid_record_stream: str, seed: int) -> int:
+    """Every combination of the stream options, bitwise; on CPU they are no-ops."""
+    os.environ["EP_AVOID_RECORD_STREAM"] = avoid_record_stream
+    buffer = _buffer(device, 7, 96, 4)
+    assert buffer.avoid_record_stream == (avoid_record_stream == "1")
+    count = 0
+    for i, (use_async, on_comm, use_event) in enumerate(itertools.product((False, True), repeat=3)):
+        if use_event and not on_comm:
+            continue
+        for sync in (True, False):
+            case = Case(num_experts=2 * buffer.num_ranks, do_cpu_sync=sync, do_expand=i % 2 == 1,
+                        async_with_compute_stream=use_async, allocate_on_comm_stream=on_comm,
+                        use_previous_event=use_event, num_bias=1, seed=seed + 10 * i + sync)
+            check_round_trip(buffer, case)
+            count += 1
+    return count
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("avoid_record_stream", ["0", "1"])
+def test_stream_options(avoid_record_stream: str, device: str) -> None:
+    assert run_local_ranks(run_stream_options, 2, device, avoid_record_stream, BASE_SEED) == [12, 12]
+
+
 def run_interleaved(device: str, seed: int) -> None:
     """Several handles alive at once through one buffer, combined out of order, with cached
     dispatches in between; every output is checked against the reference."""

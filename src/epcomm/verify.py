@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .buffer import Buffer
 from .fp8 import per_token_cast_to_fp8
 from .layout import align_up, expand_capacity
 from .reference import ReferenceDispatch, reference_combine, reference_dispatch
@@ -64,7 +65,16 @@ class Case:
     with_weights: bool = True
     num_bias: int = 0
     check_cached: bool = True
+    async_with_compute_stream: bool = False
+    allocate_on_comm_stream: bool = False
+    use_previous_event: bool = False  # pass `Buffer.capture()` (needs allocate_on_comm_stream)
     seed: int = 0
+
+    def stream_kwargs(self) -> dict:
+        """Stream options of one call; a fresh previous event is captured for each call."""
+        return dict(async_with_compute_stream=self.async_with_compute_stream,
+                    allocate_on_comm_stream=self.allocate_on_comm_stream,
+                    previous_event=Buffer.capture() if self.use_previous_event else None)
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -188,7 +198,9 @@ def check_round_trip(buffer, case: Case) -> None:
     to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
     outputs = buffer.dispatch(x, topk_idx, weights, num_experts=case.num_experts,
                               expert_alignment=case.expert_alignment, do_cpu_sync=case.do_cpu_sync,
-                              do_expand=case.do_expand, do_zero_padding=case.do_zero_padding)
+                              do_expand=case.do_expand, do_zero_padding=case.do_zero_padding,
+                              **case.stream_kwargs())
+    outputs[4].current_stream_wait()
     ref = reference_dispatch(_host(x, to_cpu), _host(topk_idx, to_cpu), _host(weights, to_cpu),
                              case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
                              case.expert_alignment, case.do_expand)
@@ -198,7 +210,8 @@ def check_round_trip(buffer, case: Case) -> None:
     if case.check_cached:
         x2, _, weights2, _ = make_inputs(buffer, Case(**{**case.__dict__, "seed": case.seed + 7919}))
         cached = buffer.dispatch(x2, topk_weights=weights2, handle=handle,
-                                 do_zero_padding=case.do_zero_padding)
+                                 do_zero_padding=case.do_zero_padding, **case.stream_kwargs())
+        cached[4].current_stream_wait()
         ref2 = reference_dispatch(_host(x2, to_cpu), _host(topk_idx, to_cpu), _host(weights2, to_cpu),
                                   case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
                                   case.expert_alignment, case.do_expand)
@@ -225,9 +238,10 @@ def check_round_trip(buffer, case: Case) -> None:
     biases = tuple(torch.randn(num_tokens, buffer.hidden, generator=gen).to(torch.bfloat16)
                    for _ in range(case.num_bias))
     dev = buffer.device
-    combined, combined_w, _ = buffer.combine(
+    combined, combined_w, event = buffer.combine(
         y.to(dev), handle, topk_weights=None if y_weights is None else y_weights.to(dev),
-        bias=tuple(b.to(dev) for b in biases) or None)
+        bias=tuple(b.to(dev) for b in biases) or None, **case.stream_kwargs())
+    event.current_stream_wait()
     ref_dev = "cpu" if to_cpu or dev.type == "cpu" else dev
     want, want_w = reference_combine(
         y[:n_valid].to(ref_dev), ref, _host(topk_idx, to_cpu), case.num_experts, buffer.group,

@@ -1,0 +1,113 @@
+"""A symmetric heap: one communication buffer per rank, mapped into every peer's address space.
+
+Each rank allocates `nbytes` of zeroed memory and maps every peer's; `SymmetricHeap.bases` is a
+device int64 tensor `[R]` of the peers' base addresses *as seen by this process*, which Triton
+kernels turn into pointers (`addr.to(tl.pointer_type(...))`) to load from and store into peers.
+
+- CUDA: the buffer is an ordinary caching-allocator tensor; peers open it through CUDA IPC (the
+  handle `torch.multiprocessing.reductions.reduce_tensor` makes, exchanged with
+  `all_gather_object`). Works with several processes on one GPU (NCCL and PyTorch's symmetric
+  memory refuse that) and with one process per GPU when peer access is possible.
+- CPU: the buffer is a file in /dev/shm mapped with `torch.from_file(shared=True)`; peers map the
+  same file by name, then the owner unlinks it (the mappings outlive the name, so nothing leaks).
+  Kernels reach it under `TRITON_INTERPRET=1`.
+
+The bootstrap only needs `all_gather_object` and `barrier`, so any process group works (gloo too).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.multiprocessing.reductions import reduce_tensor
+
+_SHM_DIR = "/dev/shm"
+
+
+def _all_gather(obj, group) -> list:
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _local_view(device: torch.device) -> tuple[str, Optional[str]]:
+    """(host name, device UUID or None for CPU) of this process."""
+    uid = None
+    if device.type == "cuda":
+        uid = str(torch.cuda.get_device_properties(device).uuid)
+    return socket.gethostname(), uid
+
+
+def heap_reachable(group: dist.ProcessGroup, device: torch.device) -> tuple[bool, str]:
+    """Whether every rank can map every other rank's heap; the same answer on all ranks.
+
+    CPU: all ranks on one host with /dev/shm. CUDA: all ranks on one host, and every pair of
+    devices is the same device or has peer access. Collective over `group`.
+    """
+    host, uid = _local_view(device)
+    views = _all_gather((host, uid), group)
+    reason = ""
+    if any(h != host for h, _ in views):
+        reason = "ranks are on different hosts"
+    elif device.type == "cpu" and not os.path.isdir(_SHM_DIR):
+        reason = f"{_SHM_DIR} is missing"
+    elif device.type == "cuda":
+        visible = {str(torch.cuda.get_device_properties(i).uuid): i
+                   for i in range(torch.cuda.device_count())}
+        for _, peer_uid in views:
+            if peer_uid == uid:
+                continue
+            if peer_uid not in visible:
+                reason = f"device {peer_uid} of a peer is not visible to rank {dist.get_rank(group)}"
+                break
+            if not torch.cuda.can_device_access_peer(device, visible[peer_uid]):
+                reason = f"no peer access from {device} to device {peer_uid}"
+                break
+    reasons = _all_gather(reason, group)
+    failed = [f"rank {r}: {text}" for r, text in enumerate(reasons) if text]
+    return not failed, "; ".join(failed)
+
+
+class SymmetricHeap:
+    """`nbytes` of zeroed memory on every rank of `group`, each mapped by all (collective).
+
+    local: this rank's buffer (uint8 [nbytes]); bases: int64 [R] on `device`, the address of
+    rank r's buffer in this process.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
+        self.rank = dist.get_rank(group)
+        self.num_ranks = dist.get_world_size(group)
+        self.nbytes = nbytes
+        if device.type == "cuda":
+            self.local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+            torch.cuda.synchronize(device)  # peers must see the zeros before they map it
+            _, args = reduce_tensor(self.local)
+            peer_args = _all_gather(args, group)
+            rebuild = reduce_tensor(self.local)[0]
+            self._peers = [self.local if r == self.rank else rebuild(*peer_args[r])
+                           for r in range(self.num_ranks)]
+        else:
+            path = os.path.join(_SHM_DIR, f"epcomm-{uuid.uuid4().hex}-r{self.rank}")
+            self.local = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+            paths = _all_gather(path, group)
+            try:
+                self._peers = [self.local if r == self.rank else
+                               torch.from_file(paths[r], shared=True, size=nbytes,
+                                               dtype=torch.uint8)
+                               for r in range(self.num_ranks)]
+                dist.barrier(group=group)  # everyone mapped everyone: the names can go
+            finally:
+                os.unlink(path)
+        self.bases = torch.tensor([t.data_ptr() for t in self._peers], dtype=torch.int64,
+                                  device=device)
+
+    def destroy(self) -> None:
+        """Drop the mappings (the memory goes once no process maps it any more)."""
+        self._peers = []
+        self.local = None
+        self.bases = None
