@@ -5,7 +5,7 @@ For each case (configuration x layout x dispatch dtype x sync mode) every rank
 1. checks one dispatch + combine through `Buffer` against the independent reference
    (`epcomm.reference`) with `torch.equal` (sync-free outputs: only the valid prefix that the
    handle's device counts describe, plus the contract's "past the prefix" conventions);
-2. times dispatch and combine separately: warm-up, barrier, `iters` calls, synchronize;
+2. times dispatch and combine separately: warm-up, barrier, N back-to-back calls, synchronize;
    wall-clock per call (and the host time spent inside the calls).
 
 Baselines from the same run, with the same routing and per-rank byte counts:
@@ -54,18 +54,19 @@ class BenchConfig:
     tokens_gpu: int
     tokens_cpu: int
     expand_alignment: int
-    # default timing per device: (iters, warmup)
-    iters_gpu: tuple[int, int] = (50, 5)
-    iters_cpu: tuple[int, int] = (10, 2)
 
 
 CONFIGS: dict[str, BenchConfig] = {
     "small": BenchConfig("small", hidden=256, num_topk=4, num_experts=16, tokens_gpu=64,
-                         tokens_cpu=64, expand_alignment=1, iters_cpu=(20, 3)),
+                         tokens_cpu=64, expand_alignment=1),
     "dsv3": BenchConfig("dsv3", hidden=7168, num_topk=8, num_experts=256, tokens_gpu=4096,
-                        tokens_cpu=128, expand_alignment=128, iters_cpu=(5, 1)),
+                        tokens_cpu=128, expand_alignment=128),
 }
 LAYOUTS = ("compact", "expand")
+# Default timing by device: warm-up calls, then an adaptive count of timed calls
+# (min, max, seconds aimed at per measurement), unless --iters fixes it.
+WARMUP = {"cuda": 3, "cpu": 2}
+ADAPTIVE = {"cuda": (3, 50, 2.0), "cpu": (3, 30, 1.5)}
 DTYPES = ("bf16", "fp8")
 
 
@@ -99,6 +100,7 @@ class Options:
     check: bool
     seed: int
     timeout_s: float
+    deadline_s: float = 3600.0
     progress: bool = True
 
     def tokens_for(self, cfg: BenchConfig) -> int:
@@ -106,10 +108,10 @@ class Options:
             return self.tokens
         return cfg.tokens_gpu if self.device == "cuda" else cfg.tokens_cpu
 
-    def iters_for(self, cfg: BenchConfig) -> tuple[int, int]:
-        iters, warmup = cfg.iters_gpu if self.device == "cuda" else cfg.iters_cpu
-        return (self.iters if self.iters is not None else iters,
-                self.warmup if self.warmup is not None else warmup)
+    def timing(self) -> tuple[Optional[int], int, tuple[int, int, float]]:
+        """(iters or None for adaptive, warm-up calls, adaptive (min, max, budget_s))."""
+        warmup = self.warmup if self.warmup is not None else WARMUP[self.device]
+        return self.iters, warmup, ADAPTIVE[self.device]
 
     def cases(self) -> list[Case]:
         return [Case(c, layout, dtype, sync) for c in self.configs for layout in self.layouts
@@ -135,16 +137,29 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_calls(fn: Callable[[], Any], iters: int, warmup: int, device: torch.device,
-                group) -> tuple[float, float]:
-    """(wall seconds per call, host seconds spent inside each call) on this rank.
+def _time_calls(fn: Callable[[], Any], iters: Optional[int], warmup: int, device: torch.device,
+                group, adaptive: tuple[int, int, float],
+                coll_device: torch.device) -> dict:
+    """Time `fn` on this rank: warm-up, synchronize, barrier, back-to-back calls, synchronize.
 
-    Warm-up, synchronize, barrier, `iters` back-to-back calls, synchronize. The host time is
-    the time each call takes to return (on CPU the same as the wall time; on CUDA the launch
-    and host-side work, including any host wait the call makes).
+    Returns {"s": wall seconds per call, "host_s": host seconds spent inside each call (the
+    time for the call to return; on CPU the same as the wall time, on CUDA the launch and
+    host-side work, including any host wait the call makes), "iters": calls timed}.
+    With `iters=None` the count adapts: `adaptive = (min, max, budget_s)`; the slowest rank's
+    last warm-up call (all-reduced, so every rank makes the same number of calls) sets
+    `iters = clamp(budget_s / t, min, max)`.
     """
-    for _ in range(warmup):
+    last = 0.0
+    for _ in range(max(warmup, 1 if iters is None else 0)):
+        t0 = time.perf_counter()
         fn()
+        _synchronize(device)
+        last = time.perf_counter() - t0
+    if iters is None:
+        lo, hi, budget = adaptive
+        slowest = torch.tensor([last], dtype=torch.float64, device=coll_device)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+        iters = int(max(lo, min(hi, budget // max(float(slowest.item()), 1e-9))))
     _synchronize(device)
     dist.barrier(group=group)
     _synchronize(device)
@@ -156,7 +171,7 @@ def _time_calls(fn: Callable[[], Any], iters: int, warmup: int, device: torch.de
         host += time.perf_counter() - t0
     _synchronize(device)
     wall = time.perf_counter() - start
-    return wall / iters, host / iters
+    return {"s": wall / iters, "host_s": host / iters, "iters": iters}
 
 
 def _equal(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> bool:
@@ -345,7 +360,10 @@ def _rank_main(opts: Options) -> dict:
     for config_name in opts.configs:
         cfg = CONFIGS[config_name]
         tokens = opts.tokens_for(cfg)
-        iters, warmup = opts.iters_for(cfg)
+        iters, warmup, adaptive = opts.timing()
+
+        def measure(fn, dev=device):
+            return _time_calls(fn, iters, warmup, dev, group, adaptive, coll_device)
         E, K, H = cfg.num_experts, cfg.num_topk, cfg.hidden
         E_l = E // num_ranks
         topk_idx, topk_weights, x, generator = _routing(cfg, tokens, opts.seed, rank)
@@ -363,7 +381,7 @@ def _rank_main(opts: Options) -> dict:
         recv_counts = _all_to_all_counts(send_counts, coll_device, group)
         recv_rows = sum(recv_counts)
         base: dict[str, Any] = {"send_rows": sum(send_counts), "recv_rows": recv_rows,
-                                "iters": iters, "warmup": warmup, "tokens": tokens}
+                                "warmup": warmup, "tokens": tokens}
         count_tensor = torch.tensor(send_counts, dtype=torch.int64, device=coll_device)
         for dtype in opts.dtypes:
             row = _row_bytes(H, dtype)
@@ -383,11 +401,10 @@ def _rank_main(opts: Options) -> dict:
                 dist.all_to_all_single(out, send_buf, recv_counts, send_counts, group=group)
                 return out
 
-            wall, host = _time_calls(a2a_dispatch, iters, warmup, coll_device, group)
-            base[f"a2a_dispatch_{dtype}"] = {"s": wall, "host_s": host,
-                                             "bytes": recv_rows * row}
-            wall, host = _time_calls(a2a_payload, iters, warmup, coll_device, group)
-            base[f"a2a_payload_{dtype}"] = {"s": wall, "host_s": host, "bytes": recv_rows * row}
+            base[f"a2a_dispatch_{dtype}"] = dict(measure(a2a_dispatch, coll_device),
+                                                 bytes=recv_rows * row)
+            base[f"a2a_payload_{dtype}"] = dict(measure(a2a_payload, coll_device),
+                                                bytes=recv_rows * row)
             del send_buf
         back_row = _row_bytes(H, "bf16")
         back_buf = torch.randint(0, 255, (recv_rows, back_row), dtype=torch.uint8,
@@ -398,16 +415,15 @@ def _rank_main(opts: Options) -> dict:
             dist.all_to_all_single(out, back_buf, send_counts, recv_counts, group=group)
             return out
 
-        wall, host = _time_calls(a2a_combine, iters, warmup, coll_device, group)
-        base["a2a_combine"] = {"s": wall, "host_s": host, "bytes": recv_rows * back_row}
+        base["a2a_combine"] = dict(measure(a2a_combine, coll_device),
+                                   bytes=recv_rows * back_row)
         del back_buf
         if device.type == "cuda":
             for dtype in opts.dtypes:
                 nbytes = max(1, recv_rows * _row_bytes(H, dtype))
                 src = torch.empty(nbytes, dtype=torch.uint8, device=device)
                 dst = torch.empty_like(src)
-                wall, host = _time_calls(lambda: dst.copy_(src), iters, warmup, device, group)
-                base[f"copy_{dtype}"] = {"s": wall, "host_s": host, "bytes": 2 * nbytes}
+                base[f"copy_{dtype}"] = dict(measure(lambda: dst.copy_(src)), bytes=2 * nbytes)
                 del src, dst
         result["baselines"][config_name] = base
         step(f"{config_name} baselines")
@@ -424,8 +440,7 @@ def _rank_main(opts: Options) -> dict:
                                        expert_alignment=align, do_cpu_sync=case.sync,
                                        do_expand=expand)
 
-            record: dict[str, Any] = {"case": asdict(case), "tokens": tokens, "iters": iters,
-                                      "warmup": warmup, "recv_rows": recv_rows,
+            record: dict[str, Any] = {"case": asdict(case), "tokens": tokens, "warmup": warmup, "recv_rows": recv_rows,
                                       "dispatch_bytes": recv_rows * _row_bytes(H, case.dtype),
                                       "combine_bytes": recv_rows * back_row,
                                       "alignment": align, "mismatch": None}
@@ -465,11 +480,8 @@ def _rank_main(opts: Options) -> dict:
                 combine_x = torch.randn((handle.num_output_rows, H), generator=generator) \
                     .to(torch.bfloat16).to(device)
             del out
-            wall, host = _time_calls(dispatch, iters, warmup, device, group)
-            record["dispatch"] = {"s": wall, "host_s": host}
-            wall, host = _time_calls(lambda: buffer.combine(combine_x, handle), iters, warmup,
-                                     device, group)
-            record["combine"] = {"s": wall, "host_s": host}
+            record["dispatch"] = measure(dispatch)
+            record["combine"] = measure(lambda: buffer.combine(combine_x, handle))
             del combine_x, handle
             result["cases"].append(record)
             step(case.label)
@@ -489,7 +501,7 @@ def _figure(per_rank: list[dict], bytes_key: Optional[str] = None) -> dict:
     times = [r["s"] for r in per_rank]
     hosts = [r["host_s"] for r in per_rank]
     out = {"us": statistics.median(times) * 1e6, "host_us": statistics.median(hosts) * 1e6,
-           "us_per_rank": [t * 1e6 for t in times]}
+           "us_per_rank": [t * 1e6 for t in times], "iters": per_rank[0]["iters"]}
     if bytes_key is not None:
         rates = [r[bytes_key] / r["s"] / 1e9 for r in per_rank if r["s"] > 0]
         out["gbps"] = sum(rates) / len(rates) if rates else 0.0
@@ -517,7 +529,7 @@ def aggregate(per_rank: list[dict], opts: Options) -> list[dict]:
             "config": case.config, "layout": case.layout, "dtype": case.dtype,
             "sync": case.sync, "backend": per_rank[0]["backend"][case.config],
             "tokens_per_rank": case_record["tokens"], "alignment": case_record["alignment"],
-            "iters": case_record["iters"], "warmup": case_record["warmup"],
+            "warmup": case_record["warmup"],
             "recv_rows_per_rank": [r["recv_rows"] for r in records],
             "check": check,
             "mismatch": {str(k): v for k, v in mismatches.items() if v},
@@ -632,6 +644,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
                    dtypes=split(args.dtypes, DTYPES, "dtype"), sync_modes=sync_modes,
                    tokens=args.tokens, iters=args.iters, warmup=args.warmup,
                    check=args.check, seed=seed, timeout_s=args.timeout,
+                   deadline_s=args.deadline,
                    progress=not args.no_progress)
 
 
@@ -641,7 +654,7 @@ def run(opts: Options) -> dict:
 
     started = time.perf_counter()
     per_rank = run_local_ranks(_rank_main, opts.ranks, opts, pg_backend=opts.pg_backend,
-                               timeout_s=opts.timeout_s)
+                               timeout_s=opts.timeout_s, deadline_s=opts.deadline_s)
     rows = aggregate(per_rank, opts)
     machine = _machine_info(opts)
     backends = sorted({r["backend"] for r in rows})
@@ -666,9 +679,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="tokens per rank (= num_max_tokens_per_rank) for every config "
                              "(default: dsv3 4096 on GPU, 128 on CPU; small 64)")
     parser.add_argument("--iters", type=int, default=None,
-                        help="timed calls per case (default: 50 on GPU; CPU 20 small, 5 dsv3)")
+                        help="timed calls per measurement (default: adaptive, about "
+                             f"{ADAPTIVE['cuda'][2]:g} s per measurement within "
+                             f"[{ADAPTIVE['cuda'][0]}, {ADAPTIVE['cuda'][1]}] calls on GPU, "
+                             f"{ADAPTIVE['cpu'][2]:g} s within [{ADAPTIVE['cpu'][0]}, "
+                             f"{ADAPTIVE['cpu'][1]}] on CPU)")
     parser.add_argument("--warmup", type=int, default=None,
-                        help="untimed calls first (default: 5 on GPU; CPU 3 small, 1 dsv3)")
+                        help=f"untimed calls first (default: {WARMUP['cuda']} on GPU, "
+                             f"{WARMUP['cpu']} on CPU)")
     parser.add_argument("--sync-free", action=argparse.BooleanOptionalAction, default=True,
                         help="also time do_cpu_sync=False (default: yes)")
     parser.add_argument("--no-check", dest="check", action="store_false",
@@ -682,6 +700,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu", action="store_true", help="run on CPU even if a GPU exists")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a rank may wait for a peer (default 600)")
+    parser.add_argument("--deadline", type=float, default=3600.0,
+                        help="seconds the whole run may take before the ranks are killed "
+                             "(default 3600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

@@ -168,10 +168,10 @@ class Buffer:
             expect = (x_fp8.shape[0], math.ceil(x_fp8.shape[1] / FP8_BLOCK))
             _require(tuple(scales.shape) == expect,
                      f"x[1] (FP8 scales) must have shape {expect}, got {tuple(scales.shape)}")
-            rows = [x_fp8.contiguous(), scales.contiguous()]
+            rows = [x_fp8, scales]
         else:
             _check_tensor("x", x, (torch.bfloat16,), 2, dev)
-            rows = [x.contiguous()]
+            rows = [x]
         num_tokens, hidden = rows[0].shape
         _require(hidden == self.hidden, f"x must have hidden size {self.hidden}, got {hidden}")
         _require(num_tokens <= max_tokens,
@@ -206,8 +206,7 @@ class Buffer:
             _check_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)
             _require(tuple(topk_weights.shape) == tuple(topk_idx.shape),
                      f"topk_weights must have shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
-            topk_weights = topk_weights.contiguous()
-        return rows, topk_idx.contiguous(), topk_weights
+        return rows, topk_idx, topk_weights
 
     def _validate_handle(self, handle, num_tokens: int) -> None:
         if not isinstance(handle, EPHandle):
@@ -315,12 +314,15 @@ class Buffer:
         if handle is not None:
             num_experts, expert_alignment = handle.num_experts, handle.expert_alignment
             do_cpu_sync, do_expand = handle.do_cpu_sync, handle.do_expand
-        elif do_handle_copy:
-            topk_idx = topk_idx.clone()
+        copy_topk_idx = handle is None and do_handle_copy
 
         def work(alloc: OutputAllocator):
+            # Copies run here, on the comm stream: with `previous_event` it does not wait for
+            # work queued on the current stream after that event.
+            routing = topk_idx.clone() if copy_topk_idx else topk_idx.contiguous()
             return self._impl.dispatch(DispatchRequest(
-                rows=rows, topk_idx=topk_idx, topk_weights=topk_weights,
+                rows=[row.contiguous() for row in rows], topk_idx=routing,
+                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
                 num_experts=num_experts, num_max_tokens_per_rank=max_tokens,
                 expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
                 do_zero_padding=do_zero_padding, cached=handle, alloc=alloc))
@@ -374,7 +376,6 @@ class Buffer:
             _check_tensor("topk_weights", topk_weights, (torch.float32,), len(expect), self.device)
             _require(tuple(topk_weights.shape) == expect,
                      f"topk_weights must have shape {expect}, got {tuple(topk_weights.shape)}")
-            topk_weights = topk_weights.contiguous()
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
         _require(len(biases) <= 2, f"bias takes at most 2 tensors, got {len(biases)}")
         for index, tensor in enumerate(biases):
@@ -385,11 +386,11 @@ class Buffer:
         if previous_event is not None:
             _require(allocate_on_comm_stream,
                      "previous_event requires allocate_on_comm_stream=True")
-        x = x.contiguous()
-
         def work(alloc: OutputAllocator):
-            return self._impl.combine(CombineRequest(x=x, handle=handle, topk_weights=topk_weights,
-                                                     biases=biases, alloc=alloc))
+            return self._impl.combine(CombineRequest(
+                x=x.contiguous(), handle=handle,
+                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                biases=tuple(b.contiguous() for b in biases), alloc=alloc))
 
         (combined_x, combined_weights), event = self._launch(
             work, [x, topk_weights, *biases], previous_event, async_with_compute_stream,

@@ -42,31 +42,36 @@ def _local_view(device: torch.device) -> tuple[str, Optional[str]]:
     return socket.gethostname(), uid
 
 
-def heap_reachable(group: dist.ProcessGroup, device: torch.device) -> tuple[bool, str]:
+def _reason(views: list, host: str, uid: Optional[str], device: torch.device) -> str:
+    """Why this rank cannot map every peer's heap ("" if it can)."""
+    if any(h != host for h, _ in views):
+        return "ranks are on different hosts"
+    if device.type == "cpu":
+        return "" if os.path.isdir(_SHM_DIR) else f"{_SHM_DIR} is missing"
+    visible = {str(torch.cuda.get_device_properties(i).uuid): i
+               for i in range(torch.cuda.device_count())}
+    for _, peer_uid in views:
+        if peer_uid == uid:
+            continue
+        if peer_uid not in visible:
+            return f"device {peer_uid} of a peer is not visible here"
+        if not torch.cuda.can_device_access_peer(device, visible[peer_uid]):
+            return f"no peer access from {device} to device {peer_uid}"
+    return ""
+
+
+def heap_reachable(group: dist.ProcessGroup, device: torch.device,
+                   local_reason: str = "") -> tuple[bool, str]:
     """Whether every rank can map every other rank's heap; the same answer on all ranks.
 
     CPU: all ranks on one host with /dev/shm. CUDA: all ranks on one host, and every pair of
-    devices is the same device or has peer access. Collective over `group`.
+    devices is the same device or has peer access. A non-empty `local_reason` (the caller's own
+    objection on this rank) also makes the answer False. Collective over `group`; returns
+    (ok, the reasons of the ranks that objected).
     """
     host, uid = _local_view(device)
     views = _all_gather((host, uid), group)
-    reason = ""
-    if any(h != host for h, _ in views):
-        reason = "ranks are on different hosts"
-    elif device.type == "cpu" and not os.path.isdir(_SHM_DIR):
-        reason = f"{_SHM_DIR} is missing"
-    elif device.type == "cuda":
-        visible = {str(torch.cuda.get_device_properties(i).uuid): i
-                   for i in range(torch.cuda.device_count())}
-        for _, peer_uid in views:
-            if peer_uid == uid:
-                continue
-            if peer_uid not in visible:
-                reason = f"device {peer_uid} of a peer is not visible to rank {dist.get_rank(group)}"
-                break
-            if not torch.cuda.can_device_access_peer(device, visible[peer_uid]):
-                reason = f"no peer access from {device} to device {peer_uid}"
-                break
+    reason = local_reason or _reason(views, host, uid, device)
     reasons = _all_gather(reason, group)
     failed = [f"rank {r}: {text}" for r, text in enumerate(reasons) if text]
     return not failed, "; ".join(failed)

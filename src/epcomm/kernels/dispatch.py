@@ -178,8 +178,8 @@ def compact(bases, region_offset: int, rank: int, stride_tokens: int, max_tokens
     num_topk = local_idx.shape[1]
     compact_kernel[_grid(num_programs)](
         bases, region_offset, rank, bases.numel(), stride_tokens, max_tokens, experts_per_rank,
-        counts, layout.words, local_idx, src_out if weights_out is None else weights_out.view(torch.int32),
-        int(weights_out is not None), src_out, stage_out, int(words is not None),
+        counts, layout.words, local_idx,
+        src_out if weights_out is None else weights_out.view(torch.int32), int(weights_out is not None), src_out, stage_out, int(words is not None),
         *_fields(words or [src_out.view(torch.int32).view(-1, 1)], layout), K=num_topk,
         BLOCK_R=triton.next_power_of_2(bases.numel()), BLOCK_K=triton.next_power_of_2(num_topk),
         BLOCK_W=_block_words(layout))
