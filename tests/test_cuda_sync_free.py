@@ -103,3 +103,35 @@ def run_graph(backend: str, seed: int) -> int:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_graph_capture_and_replay(backend: str) -> None:
     assert run_local_ranks(run_graph, 1, backend, SEED, pg_backend="nccl") == [4]
+
+
+def run_invalid_ids(backend: str, seed: int) -> str:
+    """A sync-free GPU dispatch treats ids outside [-1, E) as -1 without reading back, and the
+    next check reports them."""
+    from epcomm import EPError
+    buffer = Buffer(dist.group.WORLD, 16, 64, 2, backend=backend)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 64, generator=gen).to(torch.bfloat16).cuda()
+    idx = make_routing("balanced", 16, 2, 4, 1, gen)
+    bad = idx.clone()
+    bad[::3, 1] = 4 + 1000
+    bad[1, 0] = -7
+    recv_x, recv_idx, _, handle, _ = buffer.dispatch(x, bad.cuda(), num_experts=4, do_cpu_sync=False)
+    sanitized = torch.where((bad >= 0) & (bad < 4), bad, -1)
+    ref = reference_dispatch(x, sanitized.cuda(), None, 4, 16, buffer.group)
+    n = ref.src_token.numel()
+    assert_equal("recv_x with invalid ids", recv_x[:n], ref.recv_x)
+    assert_equal("recv_topk_idx with invalid ids", recv_idx[:n], ref.recv_topk_idx)
+    try:
+        buffer.check_errors()
+    except EPError as exc:
+        assert "expert id" in str(exc), str(exc)
+    else:
+        raise AssertionError("check_errors() did not report the invalid expert ids")
+    buffer.check_errors()  # the flag was cleared
+    return "ok"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_invalid_ids_flagged_not_read_back(backend: str) -> None:
+    assert run_local_ranks(run_invalid_ids, 1, backend, SEED, pg_backend="nccl") == ["ok"]

@@ -329,6 +329,8 @@ class Buffer:
 
         result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
                                      async_with_compute_stream, allocate_on_comm_stream)
+        if do_cpu_sync and self.device.type == "cuda":
+            self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
         new_handle = result.handle
         if handle is not None:
             new_handle = handle
