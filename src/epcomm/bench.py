@@ -29,7 +29,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Callable, Optional
 
 import torch
@@ -89,7 +89,7 @@ class Options:
     ranks: int
     pg_backend: str
     device: str                       # "cuda" or "cpu"
-    backend: str                      # Buffer backend choice
+    backend: str                      # the --backend choice
     configs: list[str]
     layouts: list[str]
     dtypes: list[str]
@@ -102,6 +102,15 @@ class Options:
     timeout_s: float
     deadline_s: float = 3600.0
     progress: bool = True
+
+    @property
+    def buffer_backend(self) -> str:
+        """What `Buffer(backend=...)` gets. "auto" on CPU means "collective": the symmetric
+        backend runs on CPU only in the Triton interpreter (a correctness vehicle, about a
+        second per call even on the small config); ask for it with --backend symmetric."""
+        if self.backend == "auto" and self.device == "cpu":
+            return "collective"
+        return self.backend
 
     def tokens_for(self, cfg: BenchConfig) -> int:
         if self.tokens is not None:
@@ -268,7 +277,7 @@ def _check_dispatch(case: Case, out, ref, num_ranks: int, M: int, K: int, E_l: i
         bad.append("expand valid rows")
         return bad
     for name, got, want in zip(names, got_parts, want_parts):
-        if not _equal(got.detach().cpu()[:n_ref][want_valid], want.cpu()[want_valid]):
+        if not _equal(got[:n_ref].detach().cpu()[want_valid], want.cpu()[want_valid]):
             bad.append(name)
     if not _equal(recv_w[:n_ref] if recv_w is not None else None, ref.recv_topk_weights):
         bad.append("recv_topk_weights")
@@ -277,32 +286,29 @@ def _check_dispatch(case: Case, out, ref, num_ranks: int, M: int, K: int, E_l: i
     return bad
 
 
-def _combine_inputs(case: Case, ref, handle, hidden: int, device: torch.device,
-                    generator: torch.Generator):
+def _combine_inputs(case: Case, ref, handle, device: torch.device):
     """Expert outputs for the combine check, built from the reference's dispatch (so combine is
     checked even when dispatch differs): (reference input, buffer input, reference weights,
     buffer weights). The buffer input has the handle's row count; rows outside the valid
-    prefix (and expand gaps) hold garbage, which combine must ignore."""
+    prefix (and expand gaps) hold garbage (1024 and weight 7), which combine must ignore."""
     from .fp8 import per_token_cast_back
 
-    if case.dtype == "bf16":
-        y_ref = ref.recv_x
-    else:
-        y_ref = per_token_cast_back(*ref.recv_x)
+    y_ref = ref.recv_x if case.dtype == "bf16" else per_token_cast_back(*ref.recv_x)
     w_ref = ref.recv_topk_weights
-    rows = handle.num_output_rows
-    garbage = (torch.randn((rows, hidden), generator=generator) * 1000).to(torch.bfloat16)
+    rows, hidden = handle.num_output_rows, y_ref.shape[1]
     n = min(rows, y_ref.shape[0])
-    if case.layout == "expand":
-        keep = torch.zeros(rows, dtype=torch.bool)
-        keep[:n] = ref.expand_valid.cpu()[:n]
-        y_buf = torch.where(keep[:, None], torch.cat([y_ref.cpu()[:n], garbage[n:]]), garbage)
-    else:
-        y_buf = torch.cat([y_ref.cpu()[:n], garbage[n:]])
+    y_buf = torch.full((rows, hidden), 1024.0, dtype=torch.bfloat16, device=device)
     w_shape = (rows,) if case.layout == "expand" else (rows, w_ref.shape[1])
-    w_buf = torch.rand(w_shape, generator=generator)
-    w_buf[:n] = w_ref.cpu()[:n]
-    return y_ref, y_buf.to(device), w_ref, w_buf.to(device)
+    w_buf = torch.full(w_shape, 7.0, dtype=torch.float32, device=device)
+    if case.layout == "expand":
+        keep = torch.nonzero(ref.expand_valid[:n]).flatten()
+        keep_dev = keep.to(device)
+        y_buf[keep_dev] = y_ref[keep].to(device)
+        w_buf[keep_dev] = w_ref[keep].to(device)
+    else:
+        y_buf[:n] = y_ref[:n].to(device)
+        w_buf[:n] = w_ref[:n].to(device)
+    return y_ref, y_buf, w_ref, w_buf
 
 
 # ----------------------------------------------------------------------------- one rank
@@ -344,17 +350,25 @@ def _rank_main(opts: Options) -> dict:
     # gloo moves CPU tensors: the reference and the baseline run on host copies there.
     coll_device = device if opts.pg_backend == "nccl" else torch.device("cpu")
 
-    progress = None
+    progress, done = None, 0
+    steps = len(opts.cases()) + len(opts.configs)
     if rank == 0 and opts.progress:
-        from tqdm import tqdm
-        steps = len(opts.cases()) + len(opts.configs)
-        progress = tqdm(total=steps, desc="epcomm bench", file=sys.stderr, unit="step",
-                        dynamic_ncols=True)
+        try:
+            from tqdm import tqdm
+        except ImportError:  # a declared dependency, but keep working without it
+            tqdm = None
+        if tqdm is not None:
+            progress = tqdm(total=steps, desc="epcomm bench", file=sys.stderr, unit="step",
+                            dynamic_ncols=True)
 
     def step(text: str) -> None:
+        nonlocal done
+        done += 1
         if progress is not None:
             progress.set_postfix_str(text)
             progress.update()
+        elif rank == 0 and opts.progress:
+            print(f"epcomm bench [{done}/{steps}] {text}", file=sys.stderr, flush=True)
 
     result: dict[str, Any] = {"rank": rank, "cases": [], "baselines": {}, "backend": {}}
     for config_name in opts.configs:
@@ -372,7 +386,7 @@ def _rank_main(opts: Options) -> dict:
             inputs["fp8"] = tuple(t.to(device) for t in per_token_cast_to_fp8(x))
         idx_dev, w_dev = topk_idx.to(device), topk_weights.to(device)
         buffer = Buffer(group, num_max_tokens_per_rank=tokens, hidden=H, num_topk=K,
-                        use_fp8_dispatch="fp8" in opts.dtypes, backend=opts.backend,
+                        use_fp8_dispatch="fp8" in opts.dtypes, backend=opts.buffer_backend,
                         device=device, timeout_s=opts.timeout_s)
         result["backend"][config_name] = buffer.backend
 
@@ -462,8 +476,7 @@ def _rank_main(opts: Options) -> dict:
                 except Exception as exc:  # a shape surprise must not stop the other ranks
                     bad.append(f"dispatch check raised {type(exc).__name__}: {exc}")
                 # Combine check: collective on both sides, so every rank always calls both.
-                y_ref, y_buf, w_ref, w_buf = _combine_inputs(case, ref, handle, H, device,
-                                                             generator)
+                y_ref, y_buf, w_ref, w_buf = _combine_inputs(case, ref, handle, device)
                 want_x, want_w = reference_combine(y_ref.to(coll_device), ref,
                                                    topk_idx.to(coll_device), E, group,
                                                    topk_weights=w_ref.to(coll_device))
@@ -476,9 +489,9 @@ def _rank_main(opts: Options) -> dict:
                 record["mismatch"] = bad
                 combine_x = y_buf
                 del got_x, got_w, w_buf
-            if combine_x is None:
-                combine_x = torch.randn((handle.num_output_rows, H), generator=generator) \
-                    .to(torch.bfloat16).to(device)
+            if combine_x is None:  # expert outputs: any bf16 rows of the right shape
+                combine_x = torch.ones((handle.num_output_rows, H), dtype=torch.bfloat16,
+                                       device=device)
             del out
             record["dispatch"] = measure(dispatch)
             record["combine"] = measure(lambda: buffer.combine(combine_x, handle))
@@ -488,6 +501,8 @@ def _rank_main(opts: Options) -> dict:
         references.clear()
         buffer.barrier()
         buffer.destroy()
+        _synchronize(device)
+        dist.barrier(group=group)  # every rank unmaps peers' memory before any owner exits
     if progress is not None:
         progress.close()
     return result
@@ -546,12 +561,15 @@ def aggregate(per_rank: list[dict], opts: Options) -> list[dict]:
     return rows
 
 
-def _format_table(header: list[str], lines: list[list[str]]) -> str:
-    widths = [max(len(h), *(len(line[i]) for line in lines)) if lines else len(h)
-              for i, h in enumerate(header)]
+def _format_table(header: list[str], lines: list[list[str]], num_text: int) -> str:
+    """A Markdown table; the first `num_text` columns left-aligned, the rest right-aligned."""
+    widths = [max([len(h)] + [len(line[i]) for line in lines]) for i, h in enumerate(header)]
+
     def fmt(cells):
-        return "| " + " | ".join(c.rjust(w) for c, w in zip(cells, widths)) + " |"
-    sep = "|" + "|".join("-" * (w + 1) + ":" for w in widths) + "|"
+        return "| " + " | ".join(c.ljust(w) if i < num_text else c.rjust(w)
+                                 for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+    sep = "|" + "|".join(("-" * (w + 2)) if i < num_text else ("-" * (w + 1) + ":")
+                         for i, w in enumerate(widths)) + "|"
     return "\n".join([fmt(header), sep] + [fmt(line) for line in lines])
 
 
@@ -574,7 +592,7 @@ def format_tables(rows: list[dict]) -> str:
         if has_copy:
             line.append(f"{r['copy']['gbps']:.1f}" if "copy" in r else "-")
         lines.append(line)
-    main = _format_table(header, lines)
+    main = _format_table(header, lines, 7)
     host_header = ["config", "layout", "dtype", "sync", "disp host us", "comb host us",
                    "a2a disp host us", "a2a payload host us", "a2a comb host us"]
     host_lines = [[r["config"], r["layout"], r["dtype"], "yes" if r["sync"] else "no",
@@ -583,7 +601,7 @@ def format_tables(rows: list[dict]) -> str:
                    f"{r['a2a_dispatch_payload']['host_us']:.1f}",
                    f"{r['a2a_combine']['host_us']:.1f}"] for r in rows]
     return main + "\n\nHost time per call (time for the call to return):\n\n" + \
-        _format_table(host_header, host_lines)
+        _format_table(host_header, host_lines, 4)
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -658,7 +676,8 @@ def run(opts: Options) -> dict:
     rows = aggregate(per_rank, opts)
     machine = _machine_info(opts)
     backends = sorted({r["backend"] for r in rows})
-    return {"machine": machine, "backend_requested": opts.backend, "backend_used": backends,
+    return {"machine": machine, "backend_requested": opts.backend,
+            "backend_passed_to_buffer": opts.buffer_backend, "backend_used": backends,
             "options": asdict(opts), "seed": opts.seed, "rows": rows,
             "elapsed_s": time.perf_counter() - started}
 
@@ -668,7 +687,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="local ranks (default: one per GPU with >= 2 GPUs over NCCL; "
                              "else 4 ranks over gloo, sharing the one GPU or on CPU)")
     parser.add_argument("--backend", default="auto", choices=["auto", "collective", "symmetric"],
-                        help="Buffer backend (default auto; the one used is reported)")
+                        help="Buffer backend (default auto: the Buffer's choice on GPU, "
+                             "collective on CPU, where the symmetric backend runs only in the "
+                             "slow Triton interpreter; the backend used is reported)")
     parser.add_argument("--configs", default="small,dsv3",
                         help=f"comma-separated configurations: {', '.join(CONFIGS)} "
                              "(default: all)")
@@ -710,7 +731,7 @@ def main(args: argparse.Namespace) -> int:
     """Run `epcomm bench`; print the tables; return the exit status (1 on any mismatch)."""
     opts = resolve_options(args)
     print(f"epcomm bench: {opts.ranks} ranks, {opts.device}, pg {opts.pg_backend}, "
-          f"backend {opts.backend}, configs {','.join(opts.configs)}, seed {opts.seed}",
+          f"backend {opts.backend} (Buffer gets {opts.buffer_backend}), configs {','.join(opts.configs)}, seed {opts.seed}",
           file=sys.stderr, flush=True)
     try:
         report = run(opts)

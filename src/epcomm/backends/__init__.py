@@ -7,8 +7,12 @@ from .collective import CollectiveBackend
 
 
 def make_backend(choice: str, buffer) -> Backend:
-    """Build the backend `choice` ("auto", "collective" or "symmetric") for `buffer`."""
-    if choice in ("symmetric", "auto"):
+    """Build the backend `choice` ("auto", "collective" or "symmetric") for `buffer`.
+
+    "auto" takes the symmetric backend only for CUDA buffers: on CPU its kernels run in the
+    Triton interpreter, which is for tests, not speed.
+    """
+    if choice == "symmetric" or (choice == "auto" and buffer.device.type == "cuda"):
         try:
             from .symmetric import SymmetricBackend, symmetric_supported
         except ImportError as exc:  # Triton missing, or the backend not built yet

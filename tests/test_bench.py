@@ -1,0 +1,75 @@
+"""`python -m epcomm bench` end to end: 2 local ranks, the small config, a few calls."""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = SRC + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def test_bench_small_two_ranks(tmp_path):
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "epcomm", "bench", "--ranks", "2", "--configs", "small",
+           "--iters", "2", "--warmup", "1", "--json", str(out), "--timeout", "60",
+           "--deadline", "120"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    assert "MISMATCH" not in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    rows = report["rows"]
+    # 2 layouts x 2 dtypes x 2 sync modes
+    assert len(rows) == 8
+    assert {(r["layout"], r["dtype"], r["sync"]) for r in rows} == {
+        (layout, dtype, sync) for layout in ("compact", "expand") for dtype in ("bf16", "fp8")
+        for sync in (True, False)}
+    assert report["machine"]["ranks"] == 2 and report["machine"]["torch"]
+    assert report["backend_used"] and all(b in ("collective", "symmetric")
+                                          for b in report["backend_used"])
+    for row in rows:
+        assert row["check"] == "ok", row
+        assert row["tokens_per_rank"] == 64
+        for key in ("dispatch", "combine", "a2a_dispatch", "a2a_dispatch_payload", "a2a_combine"):
+            figure = row[key]
+            assert figure["us"] > 0 and figure["host_us"] > 0, (key, row)
+            assert figure["iters"] == 2
+            assert all(t > 0 for t in figure["us_per_rank"]) and len(figure["us_per_rank"]) == 2
+            assert figure["gbps"] > 0, (key, row)
+        assert sum(row["recv_rows_per_rank"]) > 0
+    # the printed table has one line per row
+    assert len(re.findall(r"^\| small +\| ", proc.stdout, re.M)) == 2 * len(rows)  # 2 tables
+
+
+def test_cli_help_and_import_has_no_side_effects():
+    proc = subprocess.run([sys.executable, "-c", "import epcomm.__main__, epcomm.bench"],
+                          env=_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == "", proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "epcomm", "bench", "--help"], env=_env(),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "--configs" in proc.stdout, proc.stderr
+
+
+def test_bench_symmetric_backend_smoke(tmp_path):
+    """The symmetric backend through the bench (on CPU: the Triton interpreter, so one case)."""
+    pytest.importorskip("triton")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "epcomm", "bench", "--ranks", "2", "--configs", "small",
+           "--backend", "symmetric", "--layouts", "expand", "--dtypes", "fp8", "--no-sync-free",
+           "--iters", "1", "--warmup", "0", "--json", str(out), "--timeout", "60",
+           "--deadline", "120", "--no-progress"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    report = json.loads(out.read_text())
+    assert report["backend_used"] == ["symmetric"]
+    [row] = report["rows"]
+    assert row["check"] == "ok", row
+    assert row["dispatch"]["us"] > 0 and row["combine"]["us"] > 0
