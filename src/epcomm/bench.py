@@ -3,8 +3,8 @@
 For each case (configuration x layout x dispatch dtype x sync mode) every rank
 
 1. checks one dispatch + combine through `Buffer` against the independent reference
-   (`epcomm.reference`) with `torch.equal` (sync-free outputs: only the valid prefix that the
-   handle's device counts describe, plus the contract's "past the prefix" conventions);
+   (`epcomm.reference`) with the checker the tests use (`epcomm.verify`: bitwise, sync-free
+   outputs by the handle's device counts and the contract's "past the prefix" conventions);
 2. times dispatch and combine separately: warm-up, barrier, N back-to-back calls, synchronize;
    wall-clock per call (and the host time spent inside the calls).
 
@@ -130,10 +130,6 @@ class Options:
 # ----------------------------------------------------------------------------- helpers
 
 
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
-
-
 def _row_bytes(hidden: int, dtype: str) -> int:
     """Bytes of one dispatched row: bf16, or FP8 plus its fp32 per-128-channel scales."""
     if dtype == "bf16":
@@ -183,145 +179,36 @@ def _time_calls(fn: Callable[[], Any], iters: Optional[int], warmup: int, device
     return {"s": wall / iters, "host_s": host / iters, "iters": iters}
 
 
-def _equal(got: Optional[torch.Tensor], want: Optional[torch.Tensor]) -> bool:
-    """`torch.equal` with dtype and shape (FP8 compared as bytes, which torch.equal lacks)."""
-    if got is None or want is None:
-        return got is None and want is None
-    got, want = got.detach().cpu(), want.detach().cpu()
-    if got.dtype != want.dtype or got.shape != want.shape:
-        return False
-    if got.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-        got, want = got.view(torch.uint8), want.view(torch.uint8)
-    return torch.equal(got, want)
-
-
-def _parts(x) -> list[torch.Tensor]:
-    return list(x) if isinstance(x, (tuple, list)) else [x]
-
-
 # ----------------------------------------------------------------------------- the check
 
 
-def _expand_valid_from_handle(handle, rows: int) -> torch.Tensor:
-    """[rows] bool: expert i's valid rows are [align(psum[i-1], a), psum[i]) (contract sec. 2)."""
-    psum = handle.psum_num_recv_tokens_per_expert.detach().cpu().long()
-    a = handle.expert_alignment
-    valid = torch.zeros(rows, dtype=torch.bool)
-    previous = 0
-    for end in psum.tolist():
-        start = _align(previous, a)
-        valid[max(0, min(start, rows)):max(0, min(end, rows))] = True
-        previous = end
-    return valid
-
-
-def _check_dispatch(case: Case, out, ref, num_ranks: int, M: int, K: int, E_l: int,
-                    a: int) -> list[str]:
-    """Compare `Buffer.dispatch` outputs with the reference; names of the fields that differ."""
-    from .layout import expand_capacity
-
-    recv_x, recv_idx, recv_w, handle, _ = out
-    bad: list[str] = []
-    names = ["recv_x"] if case.dtype == "bf16" else ["recv_x", "recv_x_scales"]
-    got_parts, want_parts = _parts(recv_x), _parts(ref.recv_x)
-    if len(got_parts) != len(want_parts):
-        return ["recv_x (type)"]
-
-    # Counts in the handle (device tensors, read here on the host).
-    psum_rank = handle.psum_num_recv_tokens_per_scaleup_rank.detach().cpu().long()
-    counts = ref.num_recv_tokens_per_expert.cpu()
-    starts = ref.expert_starts.cpu()
-    aligned = (counts + a - 1) // a * a
-    psum_expert = starts + counts if case.layout == "expand" else aligned.cumsum(0)
-    if not (_equal(psum_rank, ref.num_recv_tokens_per_rank.cpu().cumsum(0))
-            and _equal(handle.psum_num_recv_tokens_per_expert.detach().cpu().long(), psum_expert)
-            and _equal(handle.num_unaligned_recv_tokens_per_expert.detach().cpu().long(), counts)):
-        bad.append("handle counts")
-    if case.sync and handle.num_recv_tokens_per_expert_list != aligned.tolist():
-        bad.append("handle num_recv_tokens_per_expert_list")
-
-    if case.layout == "compact":
-        n_ref = int(ref.src_token.shape[0])
-        n = int(psum_rank[-1]) if psum_rank.numel() else 0
-        rows = n_ref if case.sync else num_ranks * M
-        if got_parts[0].shape[0] != rows:
-            bad.append(f"recv_x rows ({got_parts[0].shape[0]}, expected {rows})")
-            return bad
-        if n != n_ref:
-            bad.append(f"valid rows ({n}, expected {n_ref})")
-            return bad
-        for name, got, want in zip(names, got_parts, want_parts):
-            if not _equal(got[:n], want):
-                bad.append(name)
-        if recv_idx is None or not _equal(recv_idx[:n], ref.recv_topk_idx):
-            bad.append("recv_topk_idx")
-        elif not case.sync and not bool((recv_idx[n:] == -1).all()):
-            bad.append("recv_topk_idx past prefix (not -1)")
-        if not _equal(recv_w[:n] if recv_w is not None else None, ref.recv_topk_weights):
-            bad.append("recv_topk_weights")
-        elif not case.sync and not bool((recv_w[n:] == 0).all()):
-            bad.append("recv_topk_weights past prefix (not 0)")
-        return bad
-
-    # Expand layout.
-    n_ref = int(ref.expand_valid.shape[0])
-    rows = n_ref if case.sync else expand_capacity(num_ranks, M, K, E_l, a)
-    if got_parts[0].shape[0] != rows:
-        bad.append(f"recv_x rows ({got_parts[0].shape[0]}, expected {rows})")
-        return bad
-    if recv_idx is not None:
-        bad.append("recv_topk_idx (not None)")
-    valid = _expand_valid_from_handle(handle, rows)
-    want_valid = ref.expand_valid.cpu()
-    if not (torch.equal(valid[:n_ref], want_valid) and not bool(valid[n_ref:].any())):
-        bad.append("expand valid rows")
-        return bad
-    for name, got, want in zip(names, got_parts, want_parts):
-        if not _equal(got[:n_ref].detach().cpu()[want_valid], want.cpu()[want_valid]):
-            bad.append(name)
-    if not _equal(recv_w[:n_ref] if recv_w is not None else None, ref.recv_topk_weights):
-        bad.append("recv_topk_weights")
-    elif not case.sync and not bool((recv_w[n_ref:] == 0).all()):
-        bad.append("recv_topk_weights past prefix (not 0)")
-    return bad
-
-
-def _combine_inputs(case: Case, ref, handle, device: torch.device):
-    """Expert outputs for the combine check, built from the reference's dispatch (so combine is
-    checked even when dispatch differs): (reference input, buffer input, reference weights,
-    buffer weights). The buffer input has the handle's row count; rows outside the valid
-    prefix (and expand gaps) hold garbage (1024 and weight 7), which combine must ignore."""
+def _expert_outputs(vcase, ref, handle, device: torch.device):
+    """Expert outputs for the combine check (and then its timing): the reference's dispatched
+    rows in bf16 with the reference's weights (so combine is checked even when dispatch
+    differs), `handle.num_output_rows` rows; the rows combine must ignore
+    (`verify.ignored_rows`) hold garbage (1024 and weight 7). Returns (y, weights)."""
     from .fp8 import per_token_cast_back
+    from .verify import ignored_rows
 
-    y_ref = ref.recv_x if case.dtype == "bf16" else per_token_cast_back(*ref.recv_x)
+    y_ref = ref.recv_x if not vcase.fp8 else per_token_cast_back(*ref.recv_x)
     w_ref = ref.recv_topk_weights
-    rows, hidden = handle.num_output_rows, y_ref.shape[1]
-    n = min(rows, y_ref.shape[0])
-    y_buf = torch.full((rows, hidden), 1024.0, dtype=torch.bfloat16, device=device)
-    w_shape = (rows,) if case.layout == "expand" else (rows, w_ref.shape[1])
-    w_buf = torch.full(w_shape, 7.0, dtype=torch.float32, device=device)
-    if case.layout == "expand":
-        keep = torch.nonzero(ref.expand_valid[:n]).flatten()
-        keep_dev = keep.to(device)
-        y_buf[keep_dev] = y_ref[keep].to(device)
-        w_buf[keep_dev] = w_ref[keep].to(device)
-    else:
-        y_buf[:n] = y_ref[:n].to(device)
-        w_buf[:n] = w_ref[:n].to(device)
-    return y_ref, y_buf, w_ref, w_buf
+    rows, n = handle.num_output_rows, min(handle.num_output_rows, y_ref.shape[0])
+    y = torch.full((rows, y_ref.shape[1]), 1024.0, dtype=torch.bfloat16, device=device)
+    w = torch.full((rows,) + tuple(w_ref.shape[1:]), 7.0, dtype=torch.float32, device=device)
+    y[:n], w[:n] = y_ref[:n].to(device), w_ref[:n].to(device)
+    ignored = ignored_rows(vcase, ref, rows).to(device)
+    y[ignored], w[ignored] = 1024.0, 7.0
+    return y, w
+
+
+def _failure(exc: BaseException, what: str) -> str:
+    """A mismatch line: the checker's message (it names the field), or what else was raised."""
+    if isinstance(exc, AssertionError):
+        return str(exc) or f"{what} check failed"
+    return f"{what} check raised {type(exc).__name__}: {exc}"
 
 
 # ----------------------------------------------------------------------------- one rank
-
-
-def _routing(cfg: BenchConfig, tokens: int, seed: int, rank: int):
-    """Random top-k routing (distinct experts per token), weights and activations of one rank."""
-    generator = torch.Generator().manual_seed(seed * 1009 + rank)
-    scores = torch.rand((tokens, cfg.num_experts), generator=generator)
-    topk_idx = scores.topk(cfg.num_topk, dim=1).indices.to(torch.int64)
-    topk_weights = torch.rand((tokens, cfg.num_topk), generator=generator)
-    x = torch.randn((tokens, cfg.hidden), generator=generator).to(torch.bfloat16)
-    return topk_idx, topk_weights, x, generator
 
 
 def _send_counts(topk_idx: torch.Tensor, num_experts: int, num_ranks: int) -> list[int]:
@@ -339,9 +226,9 @@ def _all_to_all_counts(send: list[int], device: torch.device, group) -> list[int
 
 def _rank_main(opts: Options) -> dict:
     """Runs on every rank; returns this rank's raw measurements."""
+    from . import verify
     from .buffer import Buffer
     from .fp8 import per_token_cast_to_fp8
-    from .reference import reference_combine, reference_dispatch
 
     group = dist.group.WORLD
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
@@ -379,8 +266,10 @@ def _rank_main(opts: Options) -> dict:
         def measure(fn, dev=device):
             return _time_calls(fn, iters, warmup, dev, group, adaptive, coll_device)
         E, K, H = cfg.num_experts, cfg.num_topk, cfg.hidden
-        E_l = E // num_ranks
-        topk_idx, topk_weights, x, generator = _routing(cfg, tokens, opts.seed, rank)
+        generator = torch.Generator().manual_seed(opts.seed * 1009 + rank)
+        topk_idx = verify.make_routing("balanced", tokens, K, E, num_ranks, generator)
+        topk_weights = torch.rand((tokens, K), generator=generator)
+        x = torch.randn((tokens, H), generator=generator).to(torch.bfloat16)
         inputs = {"bf16": x.to(device)}
         if "fp8" in opts.dtypes:
             inputs["fp8"] = tuple(t.to(device) for t in per_token_cast_to_fp8(x))
@@ -462,33 +351,30 @@ def _rank_main(opts: Options) -> dict:
             handle = out[3]
             combine_x = None
             if opts.check:
+                vcase = verify.Case(routing="balanced", tokens="full", num_experts=E,
+                                    expert_alignment=align, do_expand=expand,
+                                    do_cpu_sync=case.sync, fp8=case.dtype == "fp8",
+                                    seed=opts.seed)
                 key = (case.dtype, case.layout)
                 if key not in references:
-                    ref_x = tuple(t.to(coll_device) for t in _parts(xin))
-                    ref_x = ref_x if case.dtype == "fp8" else ref_x[0]
-                    references[key] = reference_dispatch(
-                        ref_x, topk_idx.to(coll_device), topk_weights.to(coll_device), E, tokens,
-                        group, expert_alignment=align, do_expand=expand)
+                    references[key] = verify.run_reference_dispatch(buffer, vcase, xin, idx_dev,
+                                                                    w_dev)
                 ref = references[key]
                 bad: list[str] = []
                 try:
-                    bad += _check_dispatch(case, out, ref, num_ranks, tokens, K, E_l, align)
+                    verify.check_dispatch_outputs(buffer, vcase, out, ref)
                 except Exception as exc:  # a shape surprise must not stop the other ranks
-                    bad.append(f"dispatch check raised {type(exc).__name__}: {exc}")
+                    bad.append(_failure(exc, "dispatch"))
                 # Combine check: collective on both sides, so every rank always calls both.
-                y_ref, y_buf, w_ref, w_buf = _combine_inputs(case, ref, handle, device)
-                want_x, want_w = reference_combine(y_ref.to(coll_device), ref,
-                                                   topk_idx.to(coll_device), E, group,
-                                                   topk_weights=w_ref.to(coll_device))
-                got_x, got_w, _ = buffer.combine(y_buf, handle, topk_weights=w_buf)
+                y_buf, w_buf = _expert_outputs(vcase, ref, handle, device)
+                try:
+                    verify.check_combine(buffer, vcase, handle, ref, idx_dev, y_buf, w_buf)
+                except AssertionError as exc:
+                    bad.append(_failure(exc, "combine"))
                 _synchronize(device)
-                if not _equal(got_x, want_x):
-                    bad.append("combined_x")
-                if not _equal(got_w, want_w):
-                    bad.append("combined_topk_weights")
                 record["mismatch"] = bad
                 combine_x = y_buf
-                del got_x, got_w, w_buf
+                del w_buf
             if combine_x is None:  # expert outputs: any bf16 rows of the right shape
                 combine_x = torch.ones((handle.num_output_rows, H), dtype=torch.bfloat16,
                                        device=device)

@@ -83,7 +83,12 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
         tensor.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).cpu()
 
 
-def assert_equal(name: str, got: torch.Tensor, want: torch.Tensor) -> None:
+def assert_equal(name: str, got: torch.Tensor, want: torch.Tensor, *,
+                 check_dtype: bool = False) -> None:
+    """Bitwise equality (after casting `want` to `got`'s dtype unless `check_dtype`, which
+    requires the dtypes to match first)."""
+    if check_dtype:
+        assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     if not torch.equal(_bits(got), _bits(want.to(got.dtype))):
         diff = (_bits(got) != _bits(want.to(got.dtype)))
@@ -129,6 +134,15 @@ def _host(value, to_cpu: bool):
     return value.cpu()
 
 
+def run_reference_dispatch(buffer, case: Case, x, topk_idx: torch.Tensor,
+                           topk_weights: Optional[torch.Tensor]) -> ReferenceDispatch:
+    """`reference_dispatch` of this rank's inputs for `case` (on host copies under gloo)."""
+    to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
+    return reference_dispatch(_host(x, to_cpu), _host(topk_idx, to_cpu), _host(topk_weights, to_cpu),
+                              case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
+                              case.expert_alignment, case.do_expand)
+
+
 def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) -> None:
     """Compare `buffer.dispatch` outputs with the reference (prefix, tails and handle)."""
     recv_x, recv_idx, recv_w, handle = outputs[:4]
@@ -139,6 +153,7 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
     aligned = (counts + case.expert_alignment - 1) // case.expert_alignment * case.expert_alignment
     parts = recv_x if isinstance(recv_x, tuple) else (recv_x,)
     ref_parts = ref.recv_x if isinstance(ref.recv_x, tuple) else (ref.recv_x,)
+    assert len(parts) == len(ref_parts), f"recv_x has {len(parts)} parts, want {len(ref_parts)}"
 
     assert_equal("psum_num_recv_tokens_per_scaleup_rank", handle.psum_num_recv_tokens_per_scaleup_rank,
                  ref.num_recv_tokens_per_rank.cumsum(0))
@@ -167,26 +182,29 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
         valid = ref.expand_valid.to(parts[0].device)
         for index, (got, want) in enumerate(zip(parts, ref_parts)):
             assert got.shape[0] == cap, f"recv_x[{index}] has {got.shape[0]} rows, want {cap}"
-            assert_equal(f"recv_x[{index}] expand rows", got[:n_e][valid], want.to(got.device)[valid])
+            assert_equal(f"recv_x[{index}] expand rows", got[:n_e][valid], want.to(got.device)[valid],
+                         check_dtype=True)
             if case.do_zero_padding:
                 assert_equal(f"recv_x[{index}] with zero padding", got[:n_e], want)
                 assert not bool(got[n_e:].view(torch.uint8).any()), f"recv_x[{index}] tail not zero"
         if ref.recv_topk_weights is not None:
             assert recv_w.shape == (cap,), f"recv_topk_weights shape {tuple(recv_w.shape)}"
-            assert_equal("recv_topk_weights (expand)", recv_w[:n_e], ref.recv_topk_weights)
+            assert_equal("recv_topk_weights (expand)", recv_w[:n_e], ref.recv_topk_weights,
+                         check_dtype=True)
             assert not bool(recv_w[n_e:].any()), "recv_topk_weights tail must be 0"
         else:
             assert recv_w is None, "recv_topk_weights must be None without topk_weights"
     else:
         for index, (got, want) in enumerate(zip(parts, ref_parts)):
             assert got.shape[0] == rows, f"recv_x[{index}] has {got.shape[0]} rows, want {rows}"
-            assert_equal(f"recv_x[{index}]", got[:n], want)
+            assert_equal(f"recv_x[{index}]", got[:n], want, check_dtype=True)
             if case.do_zero_padding:
                 assert not bool(got[n:].view(torch.uint8).any()), f"recv_x[{index}] tail not zero"
+        assert recv_idx is not None, "compact layout returns recv_topk_idx"
         assert_equal("recv_topk_idx", recv_idx[:n], ref.recv_topk_idx)
         assert bool((recv_idx[n:] == -1).all()), "recv_topk_idx past the valid prefix must be -1"
         if ref.recv_topk_weights is not None:
-            assert_equal("recv_topk_weights", recv_w[:n], ref.recv_topk_weights)
+            assert_equal("recv_topk_weights", recv_w[:n], ref.recv_topk_weights, check_dtype=True)
             assert not bool(recv_w[n:].any()), "recv_topk_weights past the valid prefix must be 0"
         else:
             assert recv_w is None, "recv_topk_weights must be None without topk_weights"
@@ -195,15 +213,12 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
 def check_round_trip(buffer, case: Case) -> None:
     """Dispatch, (cached dispatch), combine one case; compare everything with the reference."""
     x, topk_idx, weights, gen = make_inputs(buffer, case)
-    to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
     outputs = buffer.dispatch(x, topk_idx, weights, num_experts=case.num_experts,
                               expert_alignment=case.expert_alignment, do_cpu_sync=case.do_cpu_sync,
                               do_expand=case.do_expand, do_zero_padding=case.do_zero_padding,
                               **case.stream_kwargs())
     outputs[4].current_stream_wait()
-    ref = reference_dispatch(_host(x, to_cpu), _host(topk_idx, to_cpu), _host(weights, to_cpu),
-                             case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
-                             case.expert_alignment, case.do_expand)
+    ref = run_reference_dispatch(buffer, case, x, topk_idx, weights)
     check_dispatch_outputs(buffer, case, outputs, ref)
     handle = outputs[3]
 
@@ -212,9 +227,7 @@ def check_round_trip(buffer, case: Case) -> None:
         cached = buffer.dispatch(x2, topk_weights=weights2, handle=handle,
                                  do_zero_padding=case.do_zero_padding, **case.stream_kwargs())
         cached[4].current_stream_wait()
-        ref2 = reference_dispatch(_host(x2, to_cpu), _host(topk_idx, to_cpu), _host(weights2, to_cpu),
-                                  case.num_experts, buffer.num_max_tokens_per_rank, buffer.group,
-                                  case.expert_alignment, case.do_expand)
+        ref2 = run_reference_dispatch(buffer, case, x2, topk_idx, weights2)
         try:
             check_dispatch_outputs(buffer, case, cached, ref2)
         except AssertionError as exc:
@@ -223,9 +236,7 @@ def check_round_trip(buffer, case: Case) -> None:
     # Expert outputs: random bf16 rows; rows outside the valid prefix hold NaN, which combine
     # must ignore.
     rows = handle.num_output_rows
-    n_valid = int(ref.expand_valid.shape[0]) if case.do_expand else int(ref.src_token.shape[0])
-    ignored = torch.ones(rows, dtype=torch.bool)
-    ignored[:n_valid] = ~ref.expand_valid.cpu() if case.do_expand else False
+    ignored = ignored_rows(case, ref, rows)
     # Magnitudes spread over 2^-20..2^20 so that any change of summation order changes bits.
     scale = torch.exp2(torch.randint(-20, 21, (rows, 1), generator=gen).float())
     y = (torch.randn(rows, buffer.hidden, generator=gen) * scale).to(torch.bfloat16)
@@ -237,21 +248,55 @@ def check_round_trip(buffer, case: Case) -> None:
     num_tokens = topk_idx.shape[0]
     biases = tuple(torch.randn(num_tokens, buffer.hidden, generator=gen).to(torch.bfloat16)
                    for _ in range(case.num_bias))
+    check_combine(buffer, case, handle, ref, topk_idx, y, y_weights, biases)
+
+
+def _num_valid_rows(case: Case, ref: ReferenceDispatch) -> int:
+    return int(ref.expand_valid.shape[0]) if case.do_expand else int(ref.src_token.shape[0])
+
+
+def ignored_rows(case: Case, ref: ReferenceDispatch, rows: int) -> torch.Tensor:
+    """[rows] bool (CPU): the rows of a combine input (`rows = handle.num_output_rows`) that
+    combine must ignore: past the valid prefix, and the expand layout's alignment gaps."""
+    n = min(rows, _num_valid_rows(case, ref))
+    ignored = torch.ones(rows, dtype=torch.bool)
+    ignored[:n] = ~ref.expand_valid[:n].cpu() if case.do_expand else False
+    return ignored
+
+
+def _first_rows(t: torch.Tensor, n: int) -> torch.Tensor:
+    """`t[:n]`, zero-padded to n rows when `t` is shorter (a wrong handle, which the dispatch
+    check reports; the reference combine is collective and must still run on every rank)."""
+    if t.shape[0] >= n:
+        return t[:n]
+    return torch.cat([t, t.new_zeros((n - t.shape[0],) + tuple(t.shape[1:]))])
+
+
+def check_combine(buffer, case: Case, handle, ref: ReferenceDispatch, topk_idx: torch.Tensor,
+                  y: torch.Tensor, y_weights: Optional[torch.Tensor] = None,
+                  biases: tuple = ()) -> None:
+    """Combine expert outputs `y` ([handle.num_output_rows, H] bf16, any device; the rows that
+    `ignored_rows` marks may hold anything) with `y_weights` and `biases` through `buffer` and
+    through the reference (of the dispatch `ref`, routed by this rank's `topk_idx`); assert the
+    results are equal. Both combines (collective) run on every rank before any comparison."""
+    to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
     dev = buffer.device
     combined, combined_w, event = buffer.combine(
         y.to(dev), handle, topk_weights=None if y_weights is None else y_weights.to(dev),
         bias=tuple(b.to(dev) for b in biases) or None, **case.stream_kwargs())
     event.current_stream_wait()
+    n_valid = _num_valid_rows(case, ref)
     ref_dev = "cpu" if to_cpu or dev.type == "cpu" else dev
     want, want_w = reference_combine(
-        y[:n_valid].to(ref_dev), ref, _host(topk_idx, to_cpu), case.num_experts, buffer.group,
-        topk_weights=None if y_weights is None else y_weights[:n_valid].to(ref_dev),
+        _first_rows(y, n_valid).to(ref_dev), ref, _host(topk_idx, to_cpu), case.num_experts,
+        buffer.group,
+        topk_weights=None if y_weights is None else _first_rows(y_weights, n_valid).to(ref_dev),
         bias=tuple(b.to(ref_dev) for b in biases) or None)
-    assert_equal("combined_x", combined, want)
+    assert_equal("combined_x", combined, want, check_dtype=True)
     if want_w is None:
         assert combined_w is None, "combined_topk_weights must be None without topk_weights"
     else:
-        assert_equal("combined_topk_weights", combined_w, want_w)
+        assert_equal("combined_topk_weights", combined_w, want_w, check_dtype=True)
 
 
 def describe(case: Case) -> str:
@@ -264,4 +309,5 @@ def describe(case: Case) -> str:
 
 
 __all__ = ["Case", "ROUTINGS", "make_routing", "make_inputs", "check_round_trip",
-           "check_dispatch_outputs", "assert_equal", "describe", "align_up"]
+           "run_reference_dispatch", "check_dispatch_outputs", "ignored_rows", "check_combine",
+           "assert_equal", "describe", "align_up"]
