@@ -132,6 +132,12 @@ class Buffer:
         self._check_alive()
         dist.barrier(group=self.group)
 
+    def release_completed(self) -> None:
+        """Drop the references this buffer holds (EP_AVOID_RECORD_STREAM=1) to inputs and
+        outputs whose communication has completed (a non-blocking event query each). The next
+        dispatch or combine does this anyway; call it to give memory back earlier."""
+        self._drain_pending()
+
     def check_errors(self) -> None:
         """Raise `EPError` for any error a sync-free call flagged on the device (reads the flag
         back to the host, so it synchronizes), and clear the flag."""
