@@ -20,7 +20,7 @@ from epcomm.verify import Case, assert_equal, check_round_trip, make_inputs, mak
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA tests need a GPU (none on this machine)")
 SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))
-BACKENDS = ["collective"]
+BACKENDS = ["collective", "symmetric"]
 
 
 def run_sync_debug(backend: str, seed: int) -> int:

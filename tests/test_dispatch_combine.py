@@ -21,16 +21,19 @@ from epcomm.reference import reference_combine, reference_dispatch
 from epcomm.verify import ROUTINGS, Case, assert_equal, check_round_trip, describe
 
 BASE_SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="CUDA tests need a GPU (none on this machine)")),
-]
+_NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
+                              reason="CUDA tests need a GPU (none on this machine)")
+# "device:backend". The symmetric backend's CPU (Triton interpreter) runs are in
+# tests/test_symmetric.py: the interpreter is too slow for this whole matrix.
+DEVICES = ["cpu:collective",
+           pytest.param("cuda:collective", marks=_NO_CUDA),
+           pytest.param("cuda:symmetric", marks=_NO_CUDA)]
 
 
-def _buffer(device: str, max_tokens: int, hidden: int, num_topk: int, **kwargs) -> Buffer:
+def _buffer(target: str, max_tokens: int, hidden: int, num_topk: int, **kwargs) -> Buffer:
+    device, backend = target.split(":")
     return Buffer(dist.group.WORLD, max_tokens, hidden, num_topk, device=device,
-                  backend=kwargs.pop("backend", "collective"), **kwargs)
+                  backend=backend, **kwargs)
 
 
 def matrix_cases(num_experts: int, seed: int):
@@ -43,9 +46,9 @@ def matrix_cases(num_experts: int, seed: int):
                    do_zero_padding=i % 5 < 2, seed=seed + i)
 
 
-def run_matrix(device: str, backend: str, max_tokens: int, hidden: int, num_topk: int,
+def run_matrix(target: str, max_tokens: int, hidden: int, num_topk: int,
                experts_per_rank: int, seed: int) -> int:
-    buffer = _buffer(device, max_tokens, hidden, num_topk, backend=backend)
+    buffer = _buffer(target, max_tokens, hidden, num_topk)
     count = 0
     for case in matrix_cases(experts_per_rank * buffer.num_ranks, seed):
         try:
@@ -60,14 +63,15 @@ def run_matrix(device: str, backend: str, max_tokens: int, hidden: int, num_topk
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("num_ranks", [1, 2, 3, 4])
 def test_matrix(num_ranks: int, device: str) -> None:
-    counts = run_local_ranks(run_matrix, num_ranks, device, "collective", 7, 160, 4, 3, BASE_SEED)
+    counts = run_local_ranks(run_matrix, num_ranks, device, 7, 160, 4, 3, BASE_SEED)
     assert counts == [64] * num_ranks
 
 
-def run_stream_options(device: str, avoid_record_stream: str, seed: int) -> int:
+def run_stream_options(target: str, avoid_record_stream: str, seed: int) -> int:
     """Every combination of the stream options, bitwise; on CPU they are no-ops."""
     os.environ["EP_AVOID_RECORD_STREAM"] = avoid_record_stream
-    buffer = _buffer(device, 7, 96, 4)
+    device = target.split(":")[0]
+    buffer = _buffer(target, 7, 96, 4)
     assert buffer.avoid_record_stream == (avoid_record_stream == "1")
     count = 0
     for i, (use_async, on_comm, use_event) in enumerate(itertools.product((False, True), repeat=3)):
@@ -88,10 +92,11 @@ def test_stream_options(avoid_record_stream: str, device: str) -> None:
     assert run_local_ranks(run_stream_options, 2, device, avoid_record_stream, BASE_SEED) == [12, 12]
 
 
-def run_interleaved(device: str, seed: int) -> None:
+def run_interleaved(target: str, seed: int) -> None:
     """Several handles alive at once through one buffer, combined out of order, with cached
     dispatches in between; every output is checked against the reference."""
-    buffer = _buffer(device, 9, 64, 3)
+    device = target.split(":")[0]
+    buffer = _buffer(target, 9, 64, 3)
     group, num_experts = buffer.group, 4 * buffer.num_ranks
     gen = torch.Generator().manual_seed(seed + buffer.rank)
     live = []
@@ -132,12 +137,13 @@ def _expect_error(call, *fragments: str) -> None:
     raise AssertionError(f"no error raised; expected one naming {fragments}")
 
 
-def run_bad_input(device: str, seed: int) -> int:
+def run_bad_input(target: str, seed: int) -> int:
     """Every precondition of contract section 6 raises on every rank, naming the argument, and
     the buffer then serves a valid call correctly."""
     M, H, K = 6, 128, 2
-    buffer = _buffer(device, M, H, K)
-    other = _buffer(device, M, H, K)
+    device = target.split(":")[0]
+    buffer = _buffer(target, M, H, K)
+    other = _buffer(target, M, H, K)
     E = 2 * buffer.num_ranks
     x = torch.randn(4, H).to(torch.bfloat16).to(device)
     idx = torch.tensor([[0, 1], [1, -1], [-1, -1], [E - 1, 0]], device=device)
@@ -199,8 +205,9 @@ def test_bad_input_raises_then_buffer_works(num_ranks: int, device: str) -> None
     assert run_local_ranks(run_bad_input, num_ranks, device, BASE_SEED) == [30] * num_ranks
 
 
-def run_missing_peer(device: str) -> str:
-    buffer = _buffer(device, 4, 32, 2, timeout_s=3.0)
+def run_missing_peer(target: str) -> str:
+    device = target.split(":")[0]
+    buffer = _buffer(target, 4, 32, 2, timeout_s=3.0)
     if buffer.rank == 1:
         time.sleep(8)  # never joins the dispatch
         return "absent"
@@ -216,15 +223,16 @@ def run_missing_peer(device: str) -> str:
 
 
 def test_missing_peer_times_out() -> None:
-    results = run_local_ranks(run_missing_peer, 2, "cpu", timeout_s=3.0)
+    results = run_local_ranks(run_missing_peer, 2, "cpu:collective", timeout_s=3.0)
     assert results[0].startswith("timeout") and results[1] == "absent", results
 
 
-def run_autograd(device: str, do_expand: bool, do_cpu_sync: bool, seed: int) -> None:
+def run_autograd(target: str, do_expand: bool, do_cpu_sync: bool, seed: int) -> None:
     """Gradients of dispatch -> expert -> combine equal the reference's adjoint data movement:
     grad x = combine(dispatch(grad out)) and the weight gradients of the owners' slots."""
     M, H, K = 8, 64, 3
-    buffer = _buffer(device, M, H, K)
+    device = target.split(":")[0]
+    buffer = _buffer(target, M, H, K)
     group, E = buffer.group, 3 * buffer.num_ranks
     gen = torch.Generator().manual_seed(seed + buffer.rank)
     T = M - buffer.rank
