@@ -87,6 +87,7 @@ class Buffer:
         self.avoid_record_stream = os.environ.get("EP_AVOID_RECORD_STREAM", "0") == "1"
         self.buffer_id = next(_buffer_ids)
         self._pending: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self.num_sms = num_sms
         self._impl = make_backend(backend, self)
         self.num_sms = getattr(self._impl, "num_sms", num_sms)
         self._destroyed = False
@@ -255,7 +256,10 @@ class Buffer:
         if self.avoid_record_stream:
             held = used + outputs
             self._drain_pending()
-            self._pending.append((event, held))
+            # A captured event cannot be queried later; inside a graph the graph's private
+            # pool keeps the memory, and the event still carries the references.
+            if not torch.cuda.is_current_stream_capturing():
+                self._pending.append((event, held))
         else:
             for tensor in used:
                 tensor.record_stream(comm)

@@ -4,13 +4,16 @@ from __future__ import annotations
 # Sticky bits of a backend's device error flag; `Buffer.check_errors()` turns them into errors.
 INVALID_EXPERT_ID = 1  # an expert id outside [-1, num_experts) was treated as -1
 EXPAND_OVERFLOW = 2    # repeated expert ids needed more expand rows than the capacity
-WAIT_TIMEOUT = 4       # a peer did not arrive within the buffer's timeout
+DISPATCH_TIMEOUT = 4   # a peer did not arrive within the buffer's timeout, in a dispatch
+COMBINE_TIMEOUT = 8    # ... in a combine
+WAIT_TIMEOUT = DISPATCH_TIMEOUT | COMBINE_TIMEOUT
 
 _FLAG_TEXT = {
     INVALID_EXPERT_ID: "an expert id in topk_idx was outside [-1, num_experts) and was ignored",
     EXPAND_OVERFLOW: "repeated expert ids in a topk_idx row overflowed the expand capacity; "
                      "the excess rows were dropped",
-    WAIT_TIMEOUT: "a peer did not arrive within the buffer timeout",
+    DISPATCH_TIMEOUT: "dispatch: a peer did not arrive within the buffer timeout",
+    COMBINE_TIMEOUT: "combine: a peer did not arrive within the buffer timeout",
 }
 
 

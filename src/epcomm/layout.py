@@ -7,6 +7,7 @@ the host, so the sync-free paths can call them under CUDA-graph capture. Exact s
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -87,8 +88,11 @@ class ExpertLayout:
 
 
 def compute_expert_layout(local_idx: torch.Tensor, num_local_experts: int, alignment: int,
-                          capacity: int) -> ExpertLayout:
+                          capacity: Optional[int] = None) -> ExpertLayout:
     """Place each (row, slot) with local expert id in [0, E_l) into the expand layout.
+
+    `capacity`: the expand rows of a sync-free output (pairs past it are dropped and flagged);
+    None for exact-size outputs, where every pair fits.
 
     Pairs of one expert are ordered by row, then slot (a stable sort keeps that order).
     Example: E_l=2, a=2, local_idx=[[1, -1], [0, 1]] -> counts=[1, 2], starts=[0, 2],
@@ -96,6 +100,8 @@ def compute_expert_layout(local_idx: torch.Tensor, num_local_experts: int, align
     """
     num_rows, num_topk = local_idx.shape
     device = local_idx.device
+    if capacity is None:  # a bound that every real pair fits under
+        capacity = num_rows * num_topk + alignment * num_local_experts
     key = torch.where((local_idx >= 0) & (local_idx < num_local_experts), local_idx.long(),
                       num_local_experts).flatten()
     bucket_counts = torch.zeros(num_local_experts + 1, dtype=torch.long, device=device)

@@ -91,9 +91,8 @@ class SymmetricHeap:
         if device.type == "cuda":
             self.local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             torch.cuda.synchronize(device)  # peers must see the zeros before they map it
-            _, args = reduce_tensor(self.local)
+            rebuild, args = reduce_tensor(self.local)
             peer_args = _all_gather(args, group)
-            rebuild = reduce_tensor(self.local)[0]
             self._peers = [self.local if r == self.rank else rebuild(*peer_args[r])
                            for r in range(self.num_ranks)]
         else:

@@ -193,10 +193,8 @@ class CollectiveBackend(Backend):
         local_idx = torch.where(row_valid[:, None] & (expert_ids >= 0)
                                 & (expert_ids.div(num_local, rounding_mode="floor") == me),
                                 expert_ids - me * num_local, -1)
-        if sync:  # a bound that every real row fits under
-            capacity = num_rows * num_topk + request.expert_alignment * num_local
-        else:
-            capacity = expand_capacity(R, M, num_topk, num_local, request.expert_alignment)
+        capacity = None if sync else expand_capacity(R, M, num_topk, num_local,
+                                                     request.expert_alignment)
         experts = compute_expert_layout(local_idx, num_local, request.expert_alignment, capacity)
         self._flags.bitwise_or_(experts.overflow.int() * errors.EXPAND_OVERFLOW)
         last_slot = last_slot_per_rank(torch.where(local_idx >= 0, me, -1), me)

@@ -20,7 +20,7 @@ Protocol of one call of a stage (dispatch or combine), epoch n counted on the de
 5. Copy epilogue (dispatch: compact/expand; combine: reduce) into ordinary output tensors.
 6. `signal(free)`: store n into every peer's `free[rank]`.
 
-A wait that runs past the buffer's timeout sets `errors.WAIT_TIMEOUT` in the device error flag and
+A wait that runs past the buffer's timeout sets the stage's timeout bit of `errors` in the device error flag and
 returns; a synchronizing call raises `EPTimeoutError` naming the rank and stage at once, a
 sync-free one leaves it for `Buffer.check_errors()`.
 
@@ -68,7 +68,7 @@ def _support(buffer) -> tuple[bool, str]:
 def symmetric_supported(buffer) -> bool:
     """Whether every rank of `buffer.group` can map every other's memory and run the kernels;
     the same answer on all ranks (collective)."""
-    return False  # flipped on once the backend passes its tests
+    return _support(buffer)[0]
 
 
 @dataclass
@@ -119,6 +119,48 @@ class SymmetricBackend(Backend):
         self.bases = self.heap.bases
         self._epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._flags = torch.zeros((), dtype=torch.int32, device=self.device)
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    def _warm_up(self) -> None:
+        """Compile and load every kernel variant now, before any waiting kernel of this process
+        can be in flight: a module load while one of our kernels spins can deadlock
+        (gpu-facts). Every launch works on local scratch and does nothing else: no rows, and
+        flags of a scratch "heap" that the signals below have already raised."""
+        R, K, H = self.num_ranks, self.num_topk, self.hidden
+        dev, i32, i64 = self.device, torch.int32, torch.int64
+        scratch = torch.zeros(4 * R, dtype=i64, device=dev)
+        bases = torch.full((R,), scratch.data_ptr(), dtype=i64, device=dev)
+        epoch, counts = torch.zeros(1, dtype=i64, device=dev), torch.zeros(R, dtype=i64, device=dev)
+        error = torch.zeros((), dtype=i32, device=dev)
+        wait(bases, 0, 0, epoch, error, self.timeout_s, lag=1, bump=True)
+        for slot in range(R):  # every "peer" is the scratch: raise all R flags there
+            signal(bases, 0, slot, epoch)
+        signal(bases, 0, 0, epoch, counts)
+        wait(bases, 0, 0, epoch, error, self.timeout_s)
+        wait(bases, 0, 0, epoch, error, self.timeout_s, counts=counts)
+
+        none = torch.empty(0, dtype=i32, device=dev)
+        rows = [torch.empty(0, H, dtype=torch.bfloat16, device=dev)]
+        layout = dispatch_kernels.RecordLayout(K, dispatch_kernels.payload_words(rows))
+        dispatch_kernels.push(bases, 0, 0, 1, torch.empty(0, R, dtype=i64, device=dev),
+                              torch.empty(0, K, dtype=i32, device=dev), None, rows, layout, 1)
+        metadata = torch.empty(0, K + 2, dtype=i32, device=dev)
+        for idx_dtype in (i32, i64):
+            dispatch_kernels.compact(bases, 0, 0, 1, 1, 1, counts, layout,
+                                     torch.empty(0, K, dtype=idx_dtype, device=dev), None, none,
+                                     none, rows, 1)
+        dispatch_kernels.expand(bases, 0, 0, counts, layout, none, metadata, None, rows, 1)
+        psum = torch.zeros(R, dtype=i32, device=dev)
+        for expand in (False, True):
+            combine_kernels.push(bases, 0, 0, 1, psum, none, metadata, rows[0], None,
+                                 self.combine_layout, expand, 1)
+        combine_kernels.reduce(bases, 0, 0, torch.empty(0, K, dtype=i64, device=dev),
+                               torch.empty(0, K, dtype=i64, device=dev), (), rows[0], None,
+                               self.combine_layout, 1)
+        torch.cuda.synchronize(dev)
+        if error.item():
+            raise RuntimeError("the symmetric backend's warm-up flags did not arrive")
 
     def _default_num_sms(self) -> int:
         """Programs of the data-moving kernels: every SM (they are bandwidth-bound), at most one
@@ -141,7 +183,8 @@ class SymmetricBackend(Backend):
     def _wait(self, stage: int, ready: bool, counts: Optional[torch.Tensor] = None) -> None:
         offset = self.ready[stage] if ready else self.free[stage]
         wait(self.bases, self.rank, offset, self._epoch(stage), self._flags, self.timeout_s,
-             lag=0 if ready else 1, bump=not ready, counts=counts)
+             lag=0 if ready else 1, bump=not ready, counts=counts,
+             error_bit=errors.DISPATCH_TIMEOUT if stage == _DISPATCH else errors.COMBINE_TIMEOUT)
 
     def _signal(self, stage: int, ready: bool, counts: Optional[torch.Tensor] = None) -> None:
         offset = self.ready[stage] if ready else self.free[stage]
@@ -218,10 +261,9 @@ class SymmetricBackend(Backend):
                                  stage_rows, recv_rows, self.num_sms)
 
         if cached is None:
-            capacity = num_rows * K if sync else expand_capacity(R, M, K, num_local,
-                                                                  request.expert_alignment)
-            experts = compute_expert_layout(local_idx, num_local, request.expert_alignment,
-                                            capacity)
+            align = request.expert_alignment
+            capacity = None if sync else expand_capacity(R, M, K, num_local, align)
+            experts = compute_expert_layout(local_idx, num_local, align, capacity)
             self._flags.bitwise_or_(experts.overflow.int() * errors.EXPAND_OVERFLOW)
             last_slot = last_slot_per_rank(torch.where(local_idx >= 0, me, -1), me)
             metadata = alloc.empty((num_rows, K + 2), torch.int32)

@@ -44,9 +44,9 @@ def push_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, psum_p
                 BLOCK_H: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
-    total = tl.load(psum_ptr + num_ranks - 1)
-    for row in range(tl.program_id(0), total, tl.num_programs(0)):
-        row64 = row.to(tl.int64)
+    num_rows = tl.load(psum_ptr + num_ranks - 1)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row64 = tl.cast(row, tl.int64)
         slot = tl.load(stage_ptr + row64)
         source = slot // stride_tokens
         addr = record_addr(bases_ptr, source, region_offset,
@@ -57,19 +57,22 @@ def push_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, psum_p
             for start in range(0, H, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
                 hmask = offs < H
-                acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+                acc = tl.full([BLOCK_H], 0.0, tl.float32)
                 for j in tl.static_range(K):
                     src = tl.load(meta + j).to(tl.int64)
-                    value = tl.load(x_ptr + tl.maximum(src, 0) * H + offs, mask=hmask & (src >= 0))
+                    value = tl.load(x_ptr + tl.maximum(src, 0) * H + offs, mask=hmask & (offs * 0 + src >= 0))
                     acc = tl.where(src >= 0, acc + bf16_to_f32(value), acc)
                 tl.store(i16_ptr(addr) + offs, f32_to_bf16(acc), mask=hmask)
-            targets = tl.load(meta + kk, mask=kmask, other=-1).to(tl.int64)
-            weights = tl.load(weights_ptr + tl.maximum(targets, 0),
-                              mask=kmask & (targets >= 0) & (has_w != 0), other=0)
         else:
             copy_words(x_ptr + row64 * H, i16_ptr(addr), H, BLOCK_H)
-            weights = tl.load(weights_ptr + row64 * K + kk, mask=kmask & (has_w != 0))
-        tl.store(i32_ptr(addr) + weight_offset + kk, weights, mask=kmask & (has_w != 0))
+        if has_w != 0:
+            if EXPAND:
+                targets = tl.load(meta + kk, mask=kmask, other=-1).to(tl.int64)
+                weights = tl.load(weights_ptr + tl.maximum(targets, 0),
+                                  mask=kmask & (targets >= 0), other=0)
+            else:
+                weights = tl.load(weights_ptr + row64 * K + kk, mask=kmask)
+            tl.store(i32_ptr(addr) + weight_offset + kk, weights, mask=kmask)
 
 
 def push(bases, region_offset: int, rank: int, stride_tokens: int, psum_per_rank, stage_rows,
@@ -105,11 +108,11 @@ def reduce_kernel(bases_ptr, region_offset, rank, num_tokens, last_ptr, slot_ptr
     kmask = kk < K
     base = tl.load(bases_ptr + rank) + region_offset
     for t in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
-        t64 = t.to(tl.int64)
+        t64 = tl.cast(t, tl.int64)
         for start in range(0, H, BLOCK_H):
             offs = start + tl.arange(0, BLOCK_H)
             hmask = offs < H
-            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            acc = tl.full([BLOCK_H], 0.0, tl.float32)
             if num_biases > 0:
                 acc = acc + bf16_to_f32(tl.load(bias0_ptr + t64 * H + offs, mask=hmask))
             if num_biases > 1:
@@ -117,7 +120,7 @@ def reduce_kernel(bases_ptr, region_offset, rank, num_tokens, last_ptr, slot_ptr
             for j in tl.static_range(K):
                 slot = tl.load(last_ptr + t64 * K + j)
                 rec = i16_ptr(base + tl.maximum(slot, 0) * record_words * 4)
-                value = tl.load(rec + offs, mask=hmask & (slot >= 0))
+                value = tl.load(rec + offs, mask=hmask & (offs * 0 + slot >= 0))
                 acc = tl.where(slot >= 0, acc + bf16_to_f32(value), acc)
             tl.store(out_ptr + t64 * H + offs, f32_to_bf16(acc), mask=hmask)
         if has_w != 0:

@@ -19,7 +19,7 @@ def i16_ptr(addr):
 def record_addr(bases_ptr, rank, region_offset, slot, record_words):
     """Address of record `slot` of the region at byte `region_offset` of `rank`'s heap."""
     base = tl.load(bases_ptr + rank)
-    return base + region_offset + slot.to(tl.int64) * record_words * 4
+    return base + region_offset + tl.cast(slot, tl.int64) * record_words * 4
 
 
 @triton.jit
@@ -47,3 +47,23 @@ def copy_words(src, dst, num_words, BLOCK: tl.constexpr):
         offs = start + tl.arange(0, BLOCK)
         mask = offs < num_words
         tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+
+
+# Parts of Triton's library (tl.sum, tl.cumsum, tl.zeros, ...) are @triton.jit functions decorated when
+# triton is imported; if that happened before the interpreter was chosen they cannot run under
+# it. These are decorated here, after the choice, so they work either way.
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def total(x):
+    """Sum of a 1-D block."""
+    return tl.reduce(x, 0, _add)
+
+
+@triton.jit
+def running_total(x):
+    """Inclusive prefix sum of a 1-D block."""
+    return tl.associative_scan(x, 0, _add)

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import copy_words, i32_ptr, record_addr
+from .common import copy_words, i32_ptr, record_addr, running_total, total
 
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
 
@@ -61,7 +61,10 @@ def _fields(rows: Sequence[torch.Tensor], layout: RecordLayout):
 
 
 def _block_words(layout: RecordLayout) -> int:
-    return min(triton.next_power_of_2(max(layout.payload_words)), 2048)
+    """Words per copy step, from H alone (bf16 rows: H/2 words, FP8 rows: H/4) so that bf16 and
+    FP8 dispatches share one compiled variant of each kernel."""
+    hidden_half = layout.payload_words[0] * (2 if len(layout.payload_words) > 1 else 1)
+    return min(triton.next_power_of_2(hidden_half), 2048)
 
 
 @triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "stride_tokens",
@@ -72,9 +75,8 @@ def push_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, num_to
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     for t in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
-        t64 = t.to(tl.int64)
+        t64 = tl.cast(t, tl.int64)
         ids = tl.load(ids_ptr + t64 * K + kk, mask=kmask)
-        weights = tl.load(weights_ptr + t64 * K + kk, mask=kmask & (has_w != 0))
         for p in range(num_ranks):
             pos = tl.load(send_pos_ptr + t64 * num_ranks + p)
             if pos >= 0:
@@ -82,7 +84,9 @@ def push_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, num_to
                                           pos + rank * stride_tokens, record_words))
                 tl.store(rec, t)
                 tl.store(rec + 1 + kk, ids, mask=kmask)
-                tl.store(rec + 1 + K + kk, weights, mask=kmask & (has_w != 0))
+                if has_w != 0:
+                    tl.store(rec + 1 + K + kk, tl.load(weights_ptr + t64 * K + kk, mask=kmask),
+                             mask=kmask)
                 copy_words(p0_ptr + t64 * w0, rec + off0, w0, BLOCK_W)
                 copy_words(p1_ptr + t64 * w1, rec + off1, w1, BLOCK_W)
 
@@ -116,14 +120,14 @@ def _row_source(counts_ptr, num_ranks, row, BLOCK_R: tl.constexpr):
     """(source rank, index within its block) of compact row `row`."""
     r = tl.arange(0, BLOCK_R)
     counts = tl.load(counts_ptr + r, mask=r < num_ranks, other=0)
-    source = tl.sum((tl.cumsum(counts, 0) <= row).to(tl.int32))
-    return source, row - tl.sum(tl.where(r < source, counts, 0))
+    source = total((running_total(counts) <= row).to(tl.int32))
+    return source, row - total(tl.where(r < source, counts, 0))
 
 
 @triton.jit
-def _total(counts_ptr, num_ranks, BLOCK_R: tl.constexpr):
+def _received(counts_ptr, num_ranks, BLOCK_R: tl.constexpr):
     r = tl.arange(0, BLOCK_R)
-    return tl.sum(tl.load(counts_ptr + r, mask=r < num_ranks, other=0))
+    return total(tl.load(counts_ptr + r, mask=r < num_ranks, other=0))
 
 
 @triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "stride_tokens",
@@ -136,19 +140,19 @@ def compact_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, max
                    BLOCK_W: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
-    total = _total(counts_ptr, num_ranks, BLOCK_R)
-    for row in range(tl.program_id(0), total, tl.num_programs(0)):
+    num_rows = _received(counts_ptr, num_ranks, BLOCK_R)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
         source, index = _row_source(counts_ptr, num_ranks, row, BLOCK_R)
         slot = source * stride_tokens + index
         rec = i32_ptr(record_addr(bases_ptr, rank, region_offset, slot, record_words))
-        row64 = row.to(tl.int64)
+        row64 = tl.cast(row, tl.int64)
         ids = tl.load(rec + 1 + kk, mask=kmask, other=-1)
         here = (ids >= 0) & (ids >= rank * experts_per_rank) \
             & (ids < (rank + 1) * experts_per_rank)
         tl.store(idx_out + row64 * K + kk, tl.where(here, ids - rank * experts_per_rank, -1),
                  mask=kmask)
-        tl.store(w_out + row64 * K + kk, tl.load(rec + 1 + K + kk, mask=kmask),
-                 mask=kmask & (has_w != 0))
+        if has_w != 0:
+            tl.store(w_out + row64 * K + kk, tl.load(rec + 1 + K + kk, mask=kmask), mask=kmask)
         tl.store(src_out + row64, source * max_tokens + tl.load(rec))
         tl.store(stage_out + row64, slot)
         if copy_payload != 0:
@@ -193,14 +197,15 @@ def expand_kernel(bases_ptr, region_offset, rank, num_ranks, counts_ptr, record_
                   BLOCK_W: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
-    total = _total(counts_ptr, num_ranks, BLOCK_R)
-    for row in range(tl.program_id(0), total, tl.num_programs(0)):
-        row64 = row.to(tl.int64)
+    num_rows = _received(counts_ptr, num_ranks, BLOCK_R)
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        row64 = tl.cast(row, tl.int64)
         rec = i32_ptr(record_addr(bases_ptr, rank, region_offset, tl.load(stage_ptr + row64),
                                   record_words))
         targets = tl.load(meta_ptr + row64 * (K + 2) + 2 + kk, mask=kmask, other=-1).to(tl.int64)
-        tl.store(w_out + targets, tl.load(rec + 1 + K + kk, mask=kmask),
-                 mask=kmask & (targets >= 0) & (has_w != 0))
+        if has_w != 0:
+            tl.store(w_out + targets, tl.load(rec + 1 + K + kk, mask=kmask),
+                     mask=kmask & (targets >= 0))
         for j in tl.static_range(K):
             target = tl.load(meta_ptr + row64 * (K + 2) + 2 + j).to(tl.int64)
             if target >= 0:

@@ -9,9 +9,7 @@ import triton.language as tl
 
 from .. import errors
 from . import INTERPRET
-
-_WAIT_TIMEOUT = tl.constexpr(errors.WAIT_TIMEOUT)
-
+from .common import total
 
 @triton.jit(do_not_specialize=["flag_offset", "slot", "num_ranks"])
 def signal_kernel(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr,
@@ -32,9 +30,9 @@ def _globaltimer():
                                      is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["rank", "flag_offset", "num_ranks", "lag", "timeout"])
+@triton.jit(do_not_specialize=["rank", "flag_offset", "num_ranks", "lag", "timeout", "error_bit"])
 def wait_kernel(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_ptr, error_ptr,
-                timeout, BUMP: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_TIMER: tl.constexpr,
+                timeout, error_bit, BUMP: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_TIMER: tl.constexpr,
                 BLOCK_R: tl.constexpr):
     epoch = tl.load(epoch_ptr)
     if BUMP:
@@ -46,20 +44,20 @@ def wait_kernel(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_
     flag = (tl.load(bases_ptr + rank) + flag_offset + r * 8).to(tl.pointer_type(tl.int64))
     value = tl.atomic_add(flag, 0, mask=mask, sem="acquire", scope="sys")
     arrived = ((value >> 32) >= target) | ~mask
-    waiting = tl.sum((~arrived).to(tl.int32))
+    waiting = total((~arrived).to(tl.int32))
     if USE_TIMER:
         start = _globaltimer()
-    spent = tl.zeros([], dtype=tl.int64)
+    spent = tl.full([], 0, tl.int64)
     while (waiting > 0) & (spent < timeout):
         value = tl.atomic_add(flag, 0, mask=mask, sem="acquire", scope="sys")
         arrived = ((value >> 32) >= target) | ~mask
-        waiting = tl.sum((~arrived).to(tl.int32))
+        waiting = total((~arrived).to(tl.int32))
         if USE_TIMER:
             spent = _globaltimer() - start
         else:
             spent += 1
     if waiting > 0:
-        tl.atomic_or(error_ptr, _WAIT_TIMEOUT)
+        tl.atomic_or(error_ptr, error_bit)
     if HAS_COUNTS:
         count = value - ((value >> 32) << 32)
         tl.store(counts_ptr + r, tl.where(arrived, count, 0), mask=mask)
@@ -83,21 +81,21 @@ def signal(bases, flag_offset: int, slot: int, epoch, counts=None) -> None:
 
 
 def wait(bases, rank: int, flag_offset: int, epoch, error, timeout_s: float, lag: int = 0,
-         bump: bool = False, counts=None) -> None:
+         bump: bool = False, counts=None, error_bit: int = errors.DISPATCH_TIMEOUT) -> None:
     """Spin (acquire loads, system scope) until every flag of the array at byte `flag_offset`
     of `rank`'s heap carries an epoch >= `epoch[0] - lag`; with `bump`, first `epoch[0] += 1`.
     With `counts`, store each flag's count (0 for a flag that never arrived). After `timeout_s`
-    it ORs `errors.WAIT_TIMEOUT` into `error[0]` and returns.
+    it ORs `error_bit` (the stage's timeout bit of `errors`) into `error[0]` and returns.
 
     Example: two ranks; rank 0's heap a = int64 [0, 3 << 32 | 5, 2 << 32 | 7] (flags at byte 8),
     epoch = [2], error = [0]:
         wait([a.data_ptr(), b.data_ptr()], 0, 8, epoch, error, 0.01, bump=True, counts=c)
-        -> epoch = [3]; flag 1 (epoch 2) is late: error = [WAIT_TIMEOUT], c = [5, 0].
+        -> epoch = [3]; flag 1 (epoch 2) is late: error = [DISPATCH_TIMEOUT], c = [5, 0].
     """
     # The interpreter has no clock to read inside a kernel: bound it by spins (~50 us each).
     timeout = int(timeout_s * 2e4) if INTERPRET else int(timeout_s * 1e9)
     num_ranks = bases.numel()
     wait_kernel[(1,)](bases, rank, flag_offset, num_ranks, epoch, lag,
-                      bases if counts is None else counts, error, timeout, BUMP=bump,
+                      bases if counts is None else counts, error, timeout, error_bit, BUMP=bump,
                       HAS_COUNTS=counts is not None, USE_TIMER=not INTERPRET,
                       BLOCK_R=_block(num_ranks))

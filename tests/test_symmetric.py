@@ -1,0 +1,190 @@
+"""The symmetric backend against the collective backend, bitwise, on local gloo ranks.
+
+Each rank builds both backends over the same group and feeds them the same data; every output
+and handle field must be `torch.equal` (rows the contract leaves unspecified are skipped: the
+sync-free compact tail and the expand alignment gaps without `do_zero_padding`). On the CPU the
+kernels run under the Triton interpreter (`epcomm.kernels` selects it when CUDA is missing).
+"""
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from epcomm import errors
+from epcomm.launch import run_local_ranks
+
+pytest.importorskip("triton")
+
+H, K, M = 32, 3, 8
+
+
+def _data(rank, num_tokens, num_experts, fp8, skew, seed, idx_dtype=torch.int64):
+    gen = torch.Generator().manual_seed(1000 * seed + rank)
+    x = torch.randn(num_tokens, H, generator=gen)
+    if fp8:
+        x = (x.to(torch.float8_e4m3fn), torch.rand(num_tokens, H // 128 + 1, generator=gen))
+    else:
+        x = x.to(torch.bfloat16)
+    idx = torch.randint(-1, num_experts, (num_tokens, K), generator=gen)
+    if skew:  # most slots on rank 0's experts, some repeated ids
+        idx = torch.where(torch.rand(num_tokens, K, generator=gen) < 0.8, idx % 2, idx)
+    weights = torch.rand(num_tokens, K, generator=gen)
+    return x, idx.to(idx_dtype), weights
+
+
+def _rows(x):
+    return list(x) if isinstance(x, tuple) else [x]
+
+
+def _eq(got, want, what):
+    if want is None:
+        assert got is None, f"{what}: expected None"
+        return
+    assert got.dtype == want.dtype and got.shape == want.shape, \
+        f"{what}: {got.dtype} {tuple(got.shape)} != {want.dtype} {tuple(want.shape)}"
+    assert torch.equal(got, want), f"{what}:\n got {got}\nwant {want}"
+
+
+def _compare_dispatch(got, want, zero_padding, what):
+    (gx, gi, gw, gh, _), (wx, wi, ww, wh, _) = got, want
+    _eq(gh.recv_src_metadata, wh.recv_src_metadata, f"{what} recv_src_metadata")
+    for field in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert"):
+        _eq(getattr(gh, field), getattr(wh, field), f"{what} {field}")
+    for field in ("num_recv_tokens_per_expert_list", "num_recv_tokens", "num_expanded_tokens",
+                  "do_expand", "do_cpu_sync"):
+        assert getattr(gh, field) == getattr(wh, field), f"{what} {field}"
+    _eq(gi, wi, f"{what} recv_topk_idx")
+    _eq(gw, ww, f"{what} recv_topk_weights")
+    if zero_padding:
+        keep = slice(None)
+    elif wh.do_expand:  # rows that hold a (row, slot) pair
+        keep = torch.zeros(wh.num_expanded_tokens, dtype=torch.bool)
+        rows = wh.recv_src_metadata[:, 2:].flatten().long()
+        keep[rows[rows >= 0]] = True
+    else:
+        keep = slice(0, int(wh.psum_num_recv_tokens_per_scaleup_rank[-1]))
+    for index, (g, w) in enumerate(zip(_rows(gx), _rows(wx))):
+        _eq(g[keep], w[keep], f"{what} recv_x[{index}]")
+
+
+def _roundtrip(buffers, x, idx, weights, num_experts, opts, biases, what):
+    """Dispatch + combine through every buffer; compare each with the first (collective)."""
+    results = []
+    for buffer in buffers:
+        out = buffer.dispatch(x, idx, weights, num_experts=num_experts, **opts)
+        recv_x, _, recv_w, handle, _ = out
+        y = _rows(recv_x)[0].to(torch.bfloat16) * 3  # expert output, valid rows equal
+        combined = buffer.combine(y, handle, topk_weights=recv_w, bias=biases)
+        results.append((out, combined))
+    (want, want_c), (got, got_c) = results
+    _compare_dispatch(got, want, opts.get("do_zero_padding", False), what)
+    _eq(got_c[0], want_c[0], f"{what} combined_x")
+    _eq(got_c[1], want_c[1], f"{what} combined_topk_weights")
+    return got, want
+
+
+def _matrix(num_ranks):
+    from epcomm.buffer import Buffer
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    num_experts = 4 * num_ranks
+    buffers = [Buffer(group, M, H, K, backend=name, timeout_s=30)
+               for name in ("collective", "symmetric")]
+    assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 2
+    uneven = [M, 0, 5][rank % 3]  # uneven T, one rank with none
+    seed = 0
+    for expand, sync, align, fp8, with_w in itertools.product(
+            (False, True), (True, False), (1, 4), (False, True), (True, False)):
+        seed += 1
+        skew = seed % 3 == 0
+        x, idx, weights = _data(rank, uneven, num_experts, fp8, skew, seed)
+        biases = [None, torch.randn(uneven, H).bfloat16(),
+                  (torch.randn(uneven, H).bfloat16(), torch.randn(uneven, H).bfloat16())][seed % 3]
+        opts = dict(do_expand=expand, do_cpu_sync=sync, expert_alignment=align,
+                    do_zero_padding=seed % 2 == 0)
+        _roundtrip(buffers, x, idx, weights if with_w else None, num_experts, opts, biases,
+                   f"rank {rank} case {seed} {opts} fp8={fp8} w={with_w} skew={skew}")
+    return seed
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_matches_collective(num_ranks):
+    assert run_local_ranks(_matrix, num_ranks, num_ranks) == [32] * num_ranks
+
+
+def _interleaved(num_ranks):
+    from epcomm.buffer import Buffer
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    num_experts = 2 * num_ranks
+    buffers = [Buffer(group, M, H, K, backend=name, timeout_s=30)
+               for name in ("collective", "symmetric")]
+    from epcomm.backends.symmetric import symmetric_supported
+    assert symmetric_supported(buffers[1])  # collective: every rank asks
+    # Dispatches whose outputs must survive later calls through the same buffer.
+    kept = []
+    for step in range(6):
+        x, idx, weights = _data(rank, [3, M, 1][(rank + step) % 3], num_experts, step % 2 == 1,
+                                step % 3 == 0, 50 + step, torch.int32 if step == 2 else torch.int64)
+        opts = dict(do_expand=step % 2 == 0, do_cpu_sync=step % 3 != 1, expert_alignment=2)
+        got, want = _roundtrip(buffers, x, idx, weights, num_experts, opts, None, f"step {step}")
+        kept.append((got, [t.clone() for t in _rows(got[0])], want))
+        # Cached dispatch: new data, same routing, no count exchange.
+        x2 = _data(rank, idx.shape[0], num_experts, step % 2 == 1, False, 90 + step)[0]
+        outs = [b.dispatch(x2, handle=out[3]) for b, out in zip(buffers, (want, got))]
+        _compare_dispatch(outs[1], outs[0], False, f"cached step {step}")
+        assert outs[1][3] is got[3]
+    for step, (got, copies, want) in enumerate(kept):
+        for now, then in zip(_rows(got[0]), copies):
+            assert torch.equal(now.view(torch.uint8), then.view(torch.uint8)), \
+                f"step {step}: output changed by a later call"
+    # A combine of an older handle after newer dispatches.
+    (got, _, want) = kept[1]
+    results = [b.combine(_rows(out[0])[0].bfloat16(), out[3])[0] for b, out in
+               zip(buffers, (want, got))]
+    _eq(results[1], results[0], "late combine")
+    return True
+
+
+@pytest.mark.parametrize("num_ranks", [2, 3])
+def test_interleaved_calls_and_cached_dispatch(num_ranks):
+    assert all(run_local_ranks(_interleaved, num_ranks, num_ranks))
+
+
+def _timeout(sync):
+    from epcomm.buffer import Buffer
+    rank = dist.get_rank()
+    buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", timeout_s=0.2)
+    raised = None
+    if rank == 0:  # rank 1 never dispatches
+        x, idx, _ = _data(rank, 4, 4, False, False, 7)
+        try:
+            buffer.dispatch(x, idx, num_experts=4, do_cpu_sync=sync)
+            buffer.check_errors()
+        except errors.EPTimeoutError as exc:
+            raised = str(exc)
+    dist.barrier()
+    return raised
+
+
+@pytest.mark.parametrize("sync", [True, False])
+def test_timeout_raises_instead_of_hanging(sync):
+    message = run_local_ranks(_timeout, 2, sync)[0]
+    assert message is not None and "rank 0" in message
+    if sync:
+        assert "dispatch" in message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync-debug mode and "
+                    "CUDA-graph capture); scripts/gpu_symmetric.py runs them on the GPU machine")
+def test_cuda_sync_free_and_graph():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    subprocess.run([sys.executable, str(root / "scripts" / "gpu_symmetric.py"), "--ranks", "2",
+                    "--tokens", "128", "--hidden", "512", "--no-bench"], check=True, env=env)
