@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# One GPU check: CUDA tests, then the benchmark; prints a summary table last.
-# Run on the GPU machine from the repository root: bash scripts/gpu_check.sh [pytest -k expr]
+# One GPU check on the one-GPU machine, from the repository root: bash scripts/gpu_check.sh
+# Steps, each under its own time limit (seconds, overridable), in priority order:
+#   symmetric  scripts/gpu_symmetric.py: symmetric vs collective bitwise at hidden 7168 with 2 and
+#              4 processes on the GPU, sync-debug mode, graph replay, then the EP=1 benchmark
+#   lifetime   scripts/gpu_lifetime.sh: receive-tensor lifetime, 2/4/8 processes, both policies
+#   cuda-tests the CUDA pytest targets (sync-free, graph capture, matrix on 2 ranks, stream options)
+#   bench      python -m epcomm bench (4 ranks sharing the GPU)
+# A summary table is printed last; logs and JSON go to $OUT (or /tmp).
 set -uo pipefail
 export PYTHONPATH=src
 out=${OUT:-/tmp}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 summary=()
-run() {  # name, command...
-  local name=$1; shift
+step() {  # name, limit_s, command...
+  local name=$1 limit=$2; shift 2
   local start=$(date +%s)
-  "$@" > "$out/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
   local rc=$?
-  summary+=("$(printf '%-28s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
-  tail -n 25 "$out/$name.log"
+  summary+=("$(printf '%-11s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
+  echo "---- $name (rc=$rc) ----"
+  tail -n "${TAIL_LINES:-30}" "$out/$name.log"
 }
-run cuda-tests python3 -m pytest -q -x -k "${1:-cuda}" tests/test_dispatch_combine.py
-if [ -f src/epcomm/bench.py ]; then
-  run bench python3 -m epcomm bench --json "$out/bench.json"
-fi
+[[ " ${SKIP:-} " == *" symmetric "* ]] || step symmetric "${SYMMETRIC_S:-170}" python3 scripts/gpu_symmetric.py --ranks 2 4
+[[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-170} LIFETIME_RUN_TIMEOUT_S=60 \
+  step lifetime "$(( ${LIFETIME_S:-170} + 70 ))" bash scripts/gpu_lifetime.sh
+[[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-150}" python3 -m pytest -q -x \
+  tests/test_cuda_sync_free.py tests/test_dispatch_combine.py -k "cuda and (matrix and 2- or stream or sync or graph or invalid)"
+[[ " ${SKIP:-} " == *" bench "* ]] || step bench "${BENCH_S:-150}" python3 -m epcomm bench --json "$out/bench.json" --no-progress
 echo "==== summary ===="
 printf '%s\n' "${summary[@]}"
