@@ -1,7 +1,8 @@
 """Portable backend over `torch.distributed.all_to_all_single` (gloo on CPU, NCCL on GPU).
 
-Every token row travels as one byte record `[src_token + 1 | expert ids | weights | payload]`,
-so one all-to-all moves everything and FP8 needs no dtype support from the collective.
+Every token row travels as one byte record `[payload | src_token + 1 | expert ids | weights]`,
+so one all-to-all moves everything and FP8 needs no dtype support from the collective. The
+payload comes first so that its columns stay 8-byte aligned for word-wise gathers.
 
 - `do_cpu_sync=True`: per-rank counts are exchanged and read on the host, then an exact-split
   all-to-all moves only real rows.
@@ -25,12 +26,17 @@ from ..layout import (SendLayout, compute_expert_layout, compute_send_layout, ex
                       last_slot_per_rank)
 from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
 
-_INT32 = 4
-
-
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """View a 2-D [T, n] tensor as [T, n * itemsize] uint8 (copying only if not contiguous)."""
     return tensor.contiguous().view(torch.uint8)
+
+
+def _gather_records(records: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`records[index]` moved as 8-byte words (a byte-wise gather is far slower on CPU)."""
+    return records.view(torch.int64).index_select(0, index).view(torch.uint8)
+
+
+_WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 
 
 class _RecordCodec:
@@ -43,10 +49,24 @@ class _RecordCodec:
             nbytes = tensor.shape[1] * tensor.element_size()
             self.fields.append((offset, offset + nbytes, tensor.dtype))
             offset += nbytes
-        self.nbytes = offset
+        self.padding = -offset % 8  # whole 8-byte words: rows are gathered as int64
+        self.nbytes = offset + self.padding
 
     def pack(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-        return torch.cat([_as_bytes(t) for t in tensors], dim=1)
+        parts = [_as_bytes(t) for t in tensors]
+        if self.padding:
+            parts.append(parts[0].new_zeros(parts[0].shape[0], self.padding))
+        return torch.cat(parts, dim=1)
+
+    def gather(self, records: torch.Tensor, row_index: torch.Tensor, field: int,
+               out: torch.Tensor) -> torch.Tensor:
+        """`out[i] = field of records[row_index[i]]`, moved in the widest aligned words."""
+        start, end, _ = self.fields[field]
+        word = next(w for w in _WORDS if start % w.itemsize == 0 and end % w.itemsize == 0)
+        size = word.itemsize
+        column = records.view(word)[:, start // size:end // size]
+        torch.index_select(column, 0, row_index, out=out.view(torch.uint8).view(word))
+        return out
 
     def column_bytes(self, records: torch.Tensor, index: int) -> torch.Tensor:
         """The strided byte columns of field `index`."""
@@ -63,14 +83,14 @@ class _CollectiveState:
     """What combine and cached dispatch reuse.
 
     send: this rank's routing. send_splits / recv_splits: host split sizes (sync mode only).
-    recv_slot: [rows] int64, the padded receive position (src * M + i) of each compact row,
-        `R * M` past the valid prefix (sync-free mode only).
+    compact_row: [R * M] int64, the compact row of each padded receive position (src * M + i),
+        `R * M` where nothing arrived (sync-free mode only).
     """
 
     send: SendLayout
     send_splits: Optional[list[int]]
     recv_splits: Optional[list[int]]
-    recv_slot: Optional[torch.Tensor]
+    compact_row: Optional[torch.Tensor]
 
 
 class CollectiveBackend(Backend):
@@ -136,49 +156,51 @@ class CollectiveBackend(Backend):
         expert_ids = torch.where(send.slot_rank >= 0, topk_idx.long(), -1).int()
         src_plus_one = (torch.arange(num_tokens, device=self.device, dtype=torch.int32)
                         + (me * M + 1)).view(-1, 1)
-        fields = [src_plus_one, expert_ids]
+        fields = [*request.rows, src_plus_one, expert_ids]
         if request.topk_weights is not None:
             fields.append(request.topk_weights.float())
-        fields.extend(request.rows)
+        meta = len(request.rows)  # field index of src_token + 1 (0: an empty row)
         codec = _RecordCodec(fields)
         records = codec.pack(fields)
 
-        # Scatter records into per-destination blocks (row `trash` swallows unsent pairs).
+        # Gather records into per-destination blocks: one pass, no per-destination scatter.
         if sync:
             block_base = torch.tensor([0] + send_splits[:-1], device=self.device).cumsum(0)
-            trash = sum(send_splits)
+            send_rows = sum(send_splits)
         else:
             block_base = torch.arange(R, device=self.device) * M
-            trash = R * M
-        send_buf = torch.empty(trash + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
-        if not sync:
-            send_buf[:, :_INT32].zero_()
-        for dest in range(R):
-            pos = send.send_pos[:, dest]
-            send_buf.index_copy_(0, torch.where(pos >= 0, block_base[dest] + pos, trash), records)
-        send_buf = send_buf[:trash]
+            send_rows = R * M
+        slot_token = torch.full((send_rows + 1,), -1, dtype=torch.long, device=self.device)
+        destination = torch.where(send.send_pos >= 0, block_base + send.send_pos, send_rows)
+        slot_token.scatter_(0, destination.flatten(),
+                            torch.arange(num_tokens, device=self.device).repeat_interleave(R))
+        slot_token = slot_token[:send_rows]  # the entry past the end swallowed unsent pairs
+        if num_tokens:
+            send_buf = _gather_records(records, slot_token.clamp(min=0))
+            if not sync:  # empty rows of a block: source index 0 marks them
+                codec.column_bytes(send_buf, meta).masked_fill_((slot_token < 0)[:, None], 0)
+        else:
+            send_buf = records.new_zeros(send_rows, codec.nbytes)
 
         if sync:
             compact = self._all_to_all("dispatch", send_buf, sum(recv_splits), send_splits,
                                        recv_splits)
             recv_counts = torch.tensor(recv_splits, device=self.device)
-            recv_slot = None
+            compact_row = None
         else:
             padded = self._all_to_all("dispatch", send_buf, R * M)
-            present = padded[:, :_INT32].contiguous().view(torch.int32).view(R, M) > 0
+            present = codec.read(padded, meta).view(R, M) > 0
             recv_counts = present.long().sum(1)
             first_row = recv_counts.cumsum(0) - recv_counts
             within = torch.arange(M, device=self.device).expand(R, M)
             compact_row = torch.where(present, first_row[:, None] + within, R * M).flatten()
-            compact = torch.empty(R * M + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
-            compact[:, :_INT32].zero_()
-            compact.index_copy_(0, compact_row, padded)
-            compact = compact[: R * M]
-            recv_slot = torch.full((R * M + 1,), R * M, dtype=torch.long, device=self.device)
-            recv_slot.scatter_(0, compact_row, torch.arange(R * M, device=self.device))
-            recv_slot = recv_slot[: R * M]
+            padded_of_row = torch.full((R * M + 1,), R * M, dtype=torch.long, device=self.device)
+            padded_of_row.scatter_(0, compact_row, torch.arange(R * M, device=self.device))
+            padded_of_row = padded_of_row[: R * M]
+            compact = _gather_records(padded, padded_of_row.clamp(max=R * M - 1))
+            codec.column_bytes(compact, meta).masked_fill_((padded_of_row == R * M)[:, None], 0)
         return self._finish_dispatch(request, codec, compact, recv_counts, num_local,
-                                     _CollectiveState(send, send_splits, recv_splits, recv_slot))
+                                     _CollectiveState(send, send_splits, recv_splits, compact_row))
 
     def _finish_dispatch(self, request: DispatchRequest, codec: _RecordCodec,
                          compact: torch.Tensor, recv_counts: torch.Tensor, num_local: int,
@@ -187,9 +209,10 @@ class CollectiveBackend(Backend):
         R, me, M = self.num_ranks, self.rank, request.num_max_tokens_per_rank
         sync, alloc = request.do_cpu_sync, request.alloc
         num_rows, num_topk = compact.shape[0], request.topk_idx.shape[1]
-        src_token = codec.read(compact, 0).view(-1) - 1
+        meta = len(request.rows)
+        src_token = codec.read(compact, meta).view(-1) - 1
         row_valid = src_token >= 0
-        expert_ids = codec.read(compact, 1).long()
+        expert_ids = codec.read(compact, meta + 1).long()
         local_idx = torch.where(row_valid[:, None] & (expert_ids >= 0)
                                 & (expert_ids.div(num_local, rounding_mode="floor") == me),
                                 expert_ids - me * num_local, -1)
@@ -209,8 +232,7 @@ class CollectiveBackend(Backend):
         else:
             num_expanded = capacity if request.do_expand else 0
 
-        weight_index = 2 if request.topk_weights is not None else None
-        first_row_field = 3 if weight_index is not None else 2
+        weight_index = meta + 2 if request.topk_weights is not None else None
         recv_rows, recv_topk_idx, recv_weights = [], None, None
         if request.do_expand:
             pair_of_row = torch.full((num_expanded + 1,), -1, dtype=torch.long, device=self.device)
@@ -222,8 +244,7 @@ class CollectiveBackend(Backend):
             gap = (source_row < 0)[:, None]
             for index, tensor in enumerate(request.rows):
                 out = alloc.empty((num_expanded, *tensor.shape[1:]), tensor.dtype)
-                torch.index_select(codec.column_bytes(compact, first_row_field + index), 0,
-                                   source_row.clamp(min=0), out=out.view(torch.uint8))
+                codec.gather(compact, source_row.clamp(min=0), index, out)
                 if request.do_zero_padding:  # on the bytes: FP8 has no masked_fill
                     out.view(torch.uint8).masked_fill_(gap, 0)
                 recv_rows.append(out)
@@ -234,7 +255,7 @@ class CollectiveBackend(Backend):
         else:
             for index, tensor in enumerate(request.rows):
                 out = alloc.empty((num_rows, *tensor.shape[1:]), tensor.dtype)
-                out.view(torch.uint8).copy_(codec.column_bytes(compact, first_row_field + index))
+                out.view(torch.uint8).copy_(codec.column_bytes(compact, index))
                 if request.do_zero_padding and not sync:
                     out.view(torch.uint8).masked_fill_(~row_valid[:, None], 0)
                 recv_rows.append(out)
@@ -281,7 +302,8 @@ class CollectiveBackend(Backend):
             acc = torch.zeros(num_rows, x.shape[1], dtype=torch.float32, device=self.device)
             for slot in range(num_topk):
                 rows = expand_rows[:, slot]
-                acc = torch.where((rows >= 0)[:, None], acc + x[rows.clamp(min=0)].float(), acc)
+                # acc is never -0.0 (it starts at +0.0): adding +0.0 leaves it unchanged.
+                acc.add_(x[rows.clamp(min=0)].float().masked_fill_((rows < 0)[:, None], 0.0))
             reduced = acc.to(torch.bfloat16)
             if weights is not None:
                 weights = torch.where(expand_rows >= 0, weights[expand_rows.clamp(min=0)], 0.0)
@@ -299,9 +321,9 @@ class CollectiveBackend(Backend):
                 returned = records.new_zeros(1, codec.nbytes)
             block_base = torch.tensor([0] + state.send_splits[:-1], device=self.device).cumsum(0)
         else:
-            back = torch.empty(R * M + 1, codec.nbytes, dtype=torch.uint8, device=self.device)
-            back.index_copy_(0, state.recv_slot, records)
-            returned = self._all_to_all("combine", back[: R * M], R * M)
+            # Rows where nothing arrived carry any record: their source never reads them.
+            back = _gather_records(records, state.compact_row.clamp(max=R * M - 1))
+            returned = self._all_to_all("combine", back, R * M)
             block_base = torch.arange(R, device=self.device) * M
 
         # Sum the returned rows on the source in the order of each rank's last slot.
@@ -313,9 +335,9 @@ class CollectiveBackend(Backend):
             owner = send.slot_rank[:, slot].clamp(min=0)
             row = (block_base[owner] + send.send_pos.gather(1, owner[:, None]).view(-1)).clamp(min=0)
             slot_rows.append(row)
-            part = torch.index_select(codec.column_bytes(returned, 0), 0, row)
-            part = part.view(torch.bfloat16).float()
-            acc = torch.where(send.is_last_slot[:, slot, None], acc + part, acc)
+            part = codec.gather(returned, row, 0, x.new_empty(num_tokens, x.shape[1]))
+            # acc starts at +0.0 and so is never -0.0: adding +0.0 leaves it bitwise unchanged.
+            acc.add_(part.float().masked_fill_(~send.is_last_slot[:, slot, None], 0.0))
         combined_x = request.alloc.empty((num_tokens, x.shape[1]), torch.bfloat16)
         combined_x.copy_(acc)
 
