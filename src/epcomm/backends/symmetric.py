@@ -16,8 +16,7 @@ Protocol of one call of a stage (dispatch or combine), epoch n counted on the de
 2. `push`: records go into the peers' staging blocks of this rank.
 3. `signal(ready)`: release-store `n << 32 | count` into every peer's `ready[rank]`.
 4. `wait(ready)`: acquire until every `ready` flag of this heap carries epoch n (their counts
-   come with them, so no count exchange precedes the push). Steps 3 and 4 are one
-   single-program launch (`kernels.sync.signal_wait`: the store precedes the spin).
+   come with them, so no count exchange precedes the push).
 5. Copy epilogue (dispatch: compact/expand; combine: reduce) into ordinary output tensors.
 6. `signal(free)`: store n into every peer's `free[rank]`.
 
@@ -25,14 +24,11 @@ A wait that runs past the buffer's timeout sets the stage's timeout bit of `erro
 returns; a synchronizing call raises `EPTimeoutError` naming the rank and stage at once, a
 sync-free one leaves it for `Buffer.check_errors()`.
 
-Results are bitwise those of the collective backend (docs/semantics.md); the layout math is
-two single-program kernels (`kernels.layout`, bitwise the torch functions of `epcomm.layout`):
-`route` (sender side, before the push) and `expert_layout` (receiver side, after the compact
-copy-out), so a sync-free dispatch runs no torch operators but output fills.
+Results are bitwise those of the collective backend (docs/semantics.md); layout math runs
+through the sync-free torch functions of `epcomm.layout`.
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,9 +40,9 @@ from ..handle import EPHandle
 from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
-from ..kernels import layout as layout_kernels
-from ..kernels.sync import signal, signal_wait, wait
-from ..layout import expand_capacity
+from ..kernels.sync import signal, wait
+from ..layout import (SendLayout, compute_expert_layout, compute_send_layout, expand_capacity,
+                      last_slot_per_rank)
 from ..symm_heap import SymmetricHeap, heap_reachable
 from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
 
@@ -76,14 +72,6 @@ def symmetric_supported(buffer) -> bool:
 
 
 @dataclass
-class _Send:
-    """This rank's routing (`epcomm.layout.SendLayout`'s send_pos [T, R] and send_counts [R])."""
-
-    send_pos: torch.Tensor
-    send_counts: torch.Tensor
-
-
-@dataclass
 class _SymmetricState:
     """What combine and cached dispatch reuse. T tokens, K slots, rows compact output rows.
 
@@ -93,7 +81,7 @@ class _SymmetricState:
     stage_rows: [rows] int32, dispatch record of each received compact row (-1 past the prefix).
     """
 
-    send: _Send
+    send: SendLayout
     expert_ids: torch.Tensor
     slot_stage: torch.Tensor
     last_stage: torch.Tensor
@@ -129,9 +117,7 @@ class SymmetricBackend(Backend):
         nbytes = self.combine_region + R * S * self.combine_layout.words * 4
         self.heap = SymmetricHeap(self.group, nbytes, self.device)
         self.bases = self.heap.bases
-        # One 16-byte row per stage: Triton specializes pointers on 16-byte alignment, so both
-        # stages' epoch pointers must match the warm-up's (else a compile at the first combine).
-        self._epochs = torch.zeros(2, 2, dtype=torch.int64, device=self.device)
+        self._epochs = torch.zeros(2, dtype=torch.int64, device=self.device)
         self._flags = torch.zeros((), dtype=torch.int32, device=self.device)
         if self.device.type == "cuda":
             self._warm_up()
@@ -153,8 +139,6 @@ class SymmetricBackend(Backend):
         signal(bases, 0, 0, epoch, counts)
         wait(bases, 0, 0, epoch, error, self.timeout_s)
         wait(bases, 0, 0, epoch, error, self.timeout_s, counts=counts)
-        signal_wait(bases, 0, 0, epoch, error, self.timeout_s)
-        signal_wait(bases, 0, 0, epoch, error, self.timeout_s, counts, counts)
 
         none = torch.empty(0, dtype=i32, device=dev)
         rows = [torch.empty(0, H, dtype=torch.bfloat16, device=dev)]
@@ -167,19 +151,6 @@ class SymmetricBackend(Backend):
                                      torch.empty(0, K, dtype=idx_dtype, device=dev), None, none,
                                      none, rows, 1)
         dispatch_kernels.expand(bases, 0, 0, counts, layout, none, metadata, None, rows, 1)
-        for idx_dtype in (i32, i64):  # the flags are up already: the wait returns at once
-            layout_kernels.route(torch.empty(0, K, dtype=idx_dtype, device=dev), R, R, 1,
-                                 *layout_kernels.route_outputs(0, K, R, dev), error,
-                                 errors.INVALID_EXPERT_ID,
-                                 wait_args=(bases, 0, 0, epoch.clone(), self.timeout_s,
-                                            errors.DISPATCH_TIMEOUT))
-        for idx_dtype, signal_args in itertools.product((i32, i64),
-                                                        (None, (bases, 0, 0, epoch))):
-            # no constexpr depends on E or the alignment
-            layout_kernels.expert_layout(
-                torch.empty(0, K, dtype=idx_dtype, device=dev), none, 1, 1, None, False,
-                metadata, none, none, none, counts, torch.empty(R, dtype=i32, device=dev),
-                error, errors.EXPAND_OVERFLOW, signal_args=signal_args)
         psum = torch.zeros(R, dtype=i32, device=dev)
         for expand in (False, True):
             combine_kernels.push(bases, 0, 0, 1, psum, none, metadata, rows[0], None,
@@ -207,7 +178,7 @@ class SymmetricBackend(Backend):
 
     # -- the flag protocol -----------------------------------------------------------------
     def _epoch(self, stage: int) -> torch.Tensor:
-        return self._epochs[stage, :1]
+        return self._epochs[stage:stage + 1]
 
     def _wait(self, stage: int, ready: bool, counts: Optional[torch.Tensor] = None) -> None:
         offset = self.ready[stage] if ready else self.free[stage]
@@ -219,19 +190,6 @@ class SymmetricBackend(Backend):
         offset = self.ready[stage] if ready else self.free[stage]
         signal(self.bases, offset, self.rank, self._epoch(stage), counts)
 
-    def _wait_free_args(self, stage: int) -> tuple:
-        """`kernels.layout.route`'s wait_args for step 1 of `stage`."""
-        return (self.bases, self.rank, self.free[stage], self._epoch(stage), self.timeout_s,
-                errors.DISPATCH_TIMEOUT if stage == _DISPATCH else errors.COMBINE_TIMEOUT)
-
-    def _signal_wait(self, stage: int, send_counts: Optional[torch.Tensor] = None,
-                     counts: Optional[torch.Tensor] = None) -> None:
-        """Steps 3 and 4 (signal ready, wait ready) in one single-program launch."""
-        signal_wait(self.bases, self.rank, self.ready[stage], self._epoch(stage), self._flags,
-                    self.timeout_s, send_counts, counts,
-                    error_bit=errors.DISPATCH_TIMEOUT if stage == _DISPATCH
-                    else errors.COMBINE_TIMEOUT)
-
     def _raise_on_timeout(self, flags: int, stage: str) -> None:
         if flags & errors.WAIT_TIMEOUT:
             self._flags.bitwise_and_(~errors.WAIT_TIMEOUT)
@@ -240,17 +198,18 @@ class SymmetricBackend(Backend):
 
     # -- dispatch --------------------------------------------------------------------------
     def _route(self, request: DispatchRequest) -> _SymmetricState:
-        """The sender-side routing and then step 1 (`wait(free)`) in one launch
-        (`kernels.layout.route`)."""
-        R, S = self.num_ranks, self.stride_tokens
+        R, S, E = self.num_ranks, self.stride_tokens, request.num_experts
         topk_idx = request.topk_idx
-        send_pos, send_counts, expert_ids, slot_stage, last_stage = layout_kernels.route_outputs(
-            topk_idx.shape[0], self.num_topk, R, self.device)
-        layout_kernels.route(topk_idx, request.num_experts, R, S, send_pos, send_counts,
-                             expert_ids, slot_stage, last_stage, self._flags,
-                             errors.INVALID_EXPERT_ID, wait_args=self._wait_free_args(_DISPATCH))
-        return _SymmetricState(send=_Send(send_pos, send_counts), expert_ids=expert_ids,
-                               slot_stage=slot_stage, last_stage=last_stage,
+        send = compute_send_layout(topk_idx, E, R)
+        out_of_range = ((topk_idx < -1) | (topk_idx >= E)).any()
+        self._flags.bitwise_or_(out_of_range.int() * errors.INVALID_EXPERT_ID)
+        valid = send.slot_rank >= 0
+        owner = send.slot_rank.clamp(min=0)
+        slot_stage = torch.where(valid, owner * S + send.send_pos.gather(1, owner), -1)
+        return _SymmetricState(send=send,
+                               expert_ids=torch.where(valid, topk_idx.long(), -1).int(),
+                               slot_stage=slot_stage,
+                               last_stage=torch.where(send.is_last_slot, slot_stage, -1),
                                stage_rows=slot_stage.new_empty(0))
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
@@ -261,13 +220,13 @@ class SymmetricBackend(Backend):
         state = self._route(request) if cached is None else cached.backend_state
         layout = dispatch_kernels.RecordLayout(K, dispatch_kernels.payload_words(request.rows))
 
-        if cached is not None:  # else `_route` waited
-            self._wait(_DISPATCH, ready=False)
+        self._wait(_DISPATCH, ready=False)
         dispatch_kernels.push(self.bases, self.dispatch_region, me, self.stride_tokens,
                               state.send.send_pos, state.expert_ids, request.topk_weights,
                               request.rows, layout, self.num_sms)
+        self._signal(_DISPATCH, ready=True, counts=state.send.send_counts)
         counts = torch.empty(R, dtype=torch.int64, device=self.device)
-        self._signal_wait(_DISPATCH, state.send.send_counts, counts)
+        self._wait(_DISPATCH, ready=True, counts=counts)
 
         if cached is not None:
             num_rows = cached.num_recv_tokens
@@ -286,36 +245,33 @@ class SymmetricBackend(Backend):
             else alloc.empty((num_rows, K), idx_dtype)  # the expand layout only needs it here
         src = torch.empty(num_rows, dtype=torch.int32, device=self.device)
         stage_rows = torch.empty(num_rows, dtype=torch.int32, device=self.device)
+        if tail:
+            for tensor in (local_idx, src, stage_rows):
+                tensor.fill_(-1)
         recv_rows, recv_weights = None, None
         if not expand:
-            recv_rows = [alloc.empty((num_rows, *row.shape[1:]), row.dtype)
+            zero = tail and request.do_zero_padding
+            recv_rows = [(alloc.zeros if zero else alloc.empty)((num_rows, *row.shape[1:]),
+                                                                row.dtype)
                          for row in request.rows]
             if request.topk_weights is not None:
-                recv_weights = alloc.empty((num_rows, K), torch.float32)
-        # The tail (rows past the prefix): -1 ids / sources, zero weights and, with
-        # do_zero_padding, zero rows, all written by the same launch.
+                recv_weights = (alloc.zeros if tail else alloc.empty)((num_rows, K), torch.float32)
         dispatch_kernels.compact(self.bases, self.dispatch_region, me, self.stride_tokens, M,
                                  num_local, counts, layout, local_idx, recv_weights, src,
-                                 stage_rows, recv_rows, self.num_sms, fill_tail=tail,
-                                 zero_rows=request.do_zero_padding)
+                                 stage_rows, recv_rows, self.num_sms)
 
         if cached is None:
             align = request.expert_alignment
             capacity = None if sync else expand_capacity(R, M, K, num_local, align)
+            experts = compute_expert_layout(local_idx, num_local, align, capacity)
+            self._flags.bitwise_or_(experts.overflow.int() * errors.EXPAND_OVERFLOW)
+            last_slot = last_slot_per_rank(torch.where(local_idx >= 0, me, -1), me)
             metadata = alloc.empty((num_rows, K + 2), torch.int32)
-            i32 = torch.int32
-            expert_counts, expert_psum, aligned, rank_psum = (
-                torch.empty(n, dtype=i32, device=self.device)
-                for n in (num_local, num_local, num_local, R))
-            # Compact: nothing reads the staging region after this, so step 6 joins the launch.
-            layout_kernels.expert_layout(
-                local_idx, src, num_local, align, capacity, expand, metadata, expert_counts,
-                expert_psum, aligned, counts, rank_psum, self._flags, errors.EXPAND_OVERFLOW,
-                signal_args=None if expand else (self.bases, self.rank, self.free[_DISPATCH],
-                                                 self._epoch(_DISPATCH)))
+            metadata.copy_(torch.cat([src.view(-1, 1).long(), last_slot.view(-1, 1),
+                                      experts.expand_rows], dim=1))
             counts_list = None
             if sync:
-                counts_list = aligned.tolist()
+                counts_list = (experts.psum_aligned - experts.starts).tolist()
                 num_expanded = sum(counts_list) if expand else 0
             else:
                 num_expanded = capacity if expand else 0
@@ -331,16 +287,16 @@ class SymmetricBackend(Backend):
                 recv_weights = alloc.zeros((num_expanded,), torch.float32)
             dispatch_kernels.expand(self.bases, self.dispatch_region, me, counts, layout,
                                     stage_rows, metadata, recv_weights, recv_rows, self.num_sms)
-        if expand or cached is not None:  # else `expert_layout` signalled
-            self._signal(_DISPATCH, ready=False)
+        self._signal(_DISPATCH, ready=False)
 
         if cached is not None:
             return DispatchResult(recv_rows, None if expand else local_idx, recv_weights, cached)
         state.stage_rows = stage_rows
         handle = EPHandle(
-            psum_num_recv_tokens_per_scaleup_rank=rank_psum,
-            psum_num_recv_tokens_per_expert=expert_psum,
-            num_unaligned_recv_tokens_per_expert=expert_counts,
+            psum_num_recv_tokens_per_scaleup_rank=counts.cumsum(0).int(),
+            psum_num_recv_tokens_per_expert=(experts.starts + experts.counts if expand
+                                             else experts.psum_aligned).int(),
+            num_unaligned_recv_tokens_per_expert=experts.counts.int(),
             num_recv_tokens_per_expert_list=counts_list,
             recv_src_metadata=metadata,
             topk_idx=request.topk_idx,
@@ -365,7 +321,8 @@ class SymmetricBackend(Backend):
                              handle.psum_num_recv_tokens_per_scaleup_rank, state.stage_rows,
                              handle.recv_src_metadata, request.x, request.topk_weights,
                              self.combine_layout, handle.do_expand, self.num_sms)
-        self._signal_wait(_COMBINE)
+        self._signal(_COMBINE, ready=True)
+        self._wait(_COMBINE, ready=True)
         combined_x = request.alloc.empty((num_tokens, self.hidden), torch.bfloat16)
         combined_weights = None
         if request.topk_weights is not None:

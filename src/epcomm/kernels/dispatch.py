@@ -130,54 +130,34 @@ def _received(counts_ptr, num_ranks, BLOCK_R: tl.constexpr):
     return total(tl.load(counts_ptr + r, mask=r < num_ranks, other=0))
 
 
-@triton.jit
-def _zero_words(dst, num_words, BLOCK: tl.constexpr):
-    """dst[0:num_words] = 0 (int32 words)."""
-    for start in range(0, num_words, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        tl.store(dst + offs, tl.full([BLOCK], 0, tl.int32), mask=offs < num_words)
-
-
 @triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "stride_tokens",
                                "max_tokens", "experts_per_rank", "record_words", "has_w",
-                               "copy_payload", "w0", "off0", "w1", "off1", "out_rows",
-                               "zero_w", "zero_rows"])
+                               "copy_payload", "w0", "off0", "w1", "off1"])
 def compact_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, max_tokens,
                    experts_per_rank, counts_ptr, record_words, idx_out, w_out, has_w, src_out,
-                   stage_out, copy_payload, p0_out, w0, off0, p1_out, w1, off1, out_rows,
-                   zero_w, zero_rows, K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+                   stage_out, copy_payload, p0_out, w0, off0, p1_out, w1, off1,
+                   K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_W: tl.constexpr):
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     num_rows = _received(counts_ptr, num_ranks, BLOCK_R)
-    for row in range(tl.program_id(0), tl.maximum(num_rows, out_rows), tl.num_programs(0)):
+    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+        source, index = _row_source(counts_ptr, num_ranks, row, BLOCK_R)
+        slot = source * stride_tokens + index
+        rec = i32_ptr(record_addr(bases_ptr, rank, region_offset, slot, record_words))
         row64 = tl.cast(row, tl.int64)
-        if row < num_rows:
-            source, index = _row_source(counts_ptr, num_ranks, row, BLOCK_R)
-            slot = source * stride_tokens + index
-            rec = i32_ptr(record_addr(bases_ptr, rank, region_offset, slot, record_words))
-            ids = tl.load(rec + 1 + kk, mask=kmask, other=-1)
-            here = (ids >= 0) & (ids >= rank * experts_per_rank) \
-                & (ids < (rank + 1) * experts_per_rank)
-            tl.store(idx_out + row64 * K + kk, tl.where(here, ids - rank * experts_per_rank, -1),
-                     mask=kmask)
-            if has_w != 0:
-                tl.store(w_out + row64 * K + kk, tl.load(rec + 1 + K + kk, mask=kmask),
-                         mask=kmask)
-            tl.store(src_out + row64, source * max_tokens + tl.load(rec))
-            tl.store(stage_out + row64, slot)
-            if copy_payload != 0:
-                copy_words(rec + off0, p0_out + row64 * w0, w0, BLOCK_W)
-                copy_words(rec + off1, p1_out + row64 * w1, w1, BLOCK_W)
-        else:  # the tail of a capacity-sized output
-            tl.store(idx_out + row64 * K + kk, tl.full([BLOCK_K], -1, tl.int32), mask=kmask)
-            tl.store(src_out + row64, -1)
-            tl.store(stage_out + row64, -1)
-            if zero_w != 0:
-                tl.store(w_out + row64 * K + kk, tl.full([BLOCK_K], 0, tl.int32), mask=kmask)
-            if zero_rows != 0:
-                _zero_words(p0_out + row64 * w0, w0, BLOCK_W)
-                _zero_words(p1_out + row64 * w1, w1, BLOCK_W)
+        ids = tl.load(rec + 1 + kk, mask=kmask, other=-1)
+        here = (ids >= 0) & (ids >= rank * experts_per_rank) \
+            & (ids < (rank + 1) * experts_per_rank)
+        tl.store(idx_out + row64 * K + kk, tl.where(here, ids - rank * experts_per_rank, -1),
+                 mask=kmask)
+        if has_w != 0:
+            tl.store(w_out + row64 * K + kk, tl.load(rec + 1 + K + kk, mask=kmask), mask=kmask)
+        tl.store(src_out + row64, source * max_tokens + tl.load(rec))
+        tl.store(stage_out + row64, slot)
+        if copy_payload != 0:
+            copy_words(rec + off0, p0_out + row64 * w0, w0, BLOCK_W)
+            copy_words(rec + off1, p1_out + row64 * w1, w1, BLOCK_W)
 
 
 def _grid(num_programs: int) -> tuple[int]:
@@ -187,20 +167,16 @@ def _grid(num_programs: int) -> tuple[int]:
 def compact(bases, region_offset: int, rank: int, stride_tokens: int, max_tokens: int,
             experts_per_rank: int, counts, layout: RecordLayout, local_idx, weights_out,
             src_out, stage_out, rows_out: Optional[Sequence[torch.Tensor]],
-            num_programs: int, fill_tail: bool = False, zero_rows: bool = False) -> None:
+            num_programs: int) -> None:
     """Copy the `counts[s]` records of each block s of this rank's staging region into compact
     rows (source-major, then position), writing for row n: `local_idx[n]` (ids of this rank's
     experts minus `rank * experts_per_rank`, else -1), `weights_out[n]` (if given),
     `src_out[n] = s * max_tokens + token`, `stage_out[n] = s * stride_tokens + position`, and,
-    with `rows_out`, the payload rows. Rows at or past `sum(counts)` are not touched, unless
-    `fill_tail`: then each such row n < local_idx.shape[0] gets `local_idx[n] = -1`,
-    `src_out[n] = stage_out[n] = -1`, `weights_out[n] = 0` (if given) and, with `zero_rows`,
-    zero payload rows (one launch instead of separate fills).
+    with `rows_out`, the payload rows. Rows at or past `sum(counts)` are not touched.
 
     Example: rank 1 of 2, experts_per_rank 2, stride 2, max_tokens 2, counts = [1, 1], records
     [0 | 0 3 | ...] at slot 0 (from rank 0) and [1 | 2 -1 | ...] at slot 2 (from rank 1):
-        local_idx = [[-1, 1], [0, -1]], src_out = [0, 3], stage_out = [0, 2]; with
-        fill_tail and 3 output rows, row 2 also gets local_idx [-1, -1], src / stage -1.
+        local_idx = [[-1, 1], [0, -1]], src_out = [0, 3], stage_out = [0, 2].
     """
     words = None if rows_out is None else [row.view(torch.int32) for row in rows_out]
     num_topk = local_idx.shape[1]
@@ -208,9 +184,7 @@ def compact(bases, region_offset: int, rank: int, stride_tokens: int, max_tokens
         bases, region_offset, rank, bases.numel(), stride_tokens, max_tokens, experts_per_rank,
         counts, layout.words, local_idx,
         src_out if weights_out is None else weights_out.view(torch.int32), int(weights_out is not None), src_out, stage_out, int(words is not None),
-        *_fields(words or [src_out.view(torch.int32).view(-1, 1)], layout),
-        local_idx.shape[0] if fill_tail else 0, int(fill_tail and weights_out is not None),
-        int(fill_tail and zero_rows and words is not None), K=num_topk,
+        *_fields(words or [src_out.view(torch.int32).view(-1, 1)], layout), K=num_topk,
         BLOCK_R=triton.next_power_of_2(bases.numel()), BLOCK_K=triton.next_power_of_2(num_topk),
         BLOCK_W=_block_words(layout))
 

@@ -11,9 +11,9 @@ from .. import errors
 from . import INTERPRET
 from .common import total
 
-@triton.jit
-def _signal_body(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr,
-                 HAS_COUNTS: tl.constexpr, BLOCK_R: tl.constexpr):
+@triton.jit(do_not_specialize=["flag_offset", "slot", "num_ranks"])
+def signal_kernel(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr,
+                  HAS_COUNTS: tl.constexpr, BLOCK_R: tl.constexpr):
     r = tl.arange(0, BLOCK_R)
     mask = r < num_ranks
     base = tl.load(bases_ptr + r, mask=mask, other=0)
@@ -24,23 +24,16 @@ def _signal_body(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr,
     tl.atomic_xchg(flag, value, mask=mask, sem="release", scope="sys")
 
 
-@triton.jit(do_not_specialize=["flag_offset", "slot", "num_ranks"])
-def signal_kernel(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr,
-                  HAS_COUNTS: tl.constexpr, BLOCK_R: tl.constexpr):
-    _signal_body(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr, HAS_COUNTS,
-                 BLOCK_R)
-
-
 @triton.jit
 def _globaltimer():
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                      is_pure=False, pack=1)
 
 
-@triton.jit
-def _wait_body(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_ptr, error_ptr,
-               timeout, error_bit, BUMP: tl.constexpr, HAS_COUNTS: tl.constexpr,
-               USE_TIMER: tl.constexpr, BLOCK_R: tl.constexpr):
+@triton.jit(do_not_specialize=["rank", "flag_offset", "num_ranks", "lag", "timeout", "error_bit"])
+def wait_kernel(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_ptr, error_ptr,
+                timeout, error_bit, BUMP: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_TIMER: tl.constexpr,
+                BLOCK_R: tl.constexpr):
     epoch = tl.load(epoch_ptr)
     if BUMP:
         epoch += 1
@@ -68,26 +61,6 @@ def _wait_body(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_p
     if HAS_COUNTS:
         count = value - ((value >> 32) << 32)
         tl.store(counts_ptr + r, tl.where(arrived, count, 0), mask=mask)
-
-
-@triton.jit(do_not_specialize=["rank", "flag_offset", "num_ranks", "lag", "timeout", "error_bit"])
-def wait_kernel(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_ptr, error_ptr,
-                timeout, error_bit, BUMP: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_TIMER: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-    _wait_body(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_ptr, error_ptr,
-               timeout, error_bit, BUMP, HAS_COUNTS, USE_TIMER, BLOCK_R)
-
-
-@triton.jit(do_not_specialize=["rank", "flag_offset", "num_ranks", "timeout", "error_bit"])
-def signal_wait_kernel(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, send_counts_ptr,
-                       counts_ptr, error_ptr, timeout, error_bit, HAS_COUNTS: tl.constexpr,
-                       USE_TIMER: tl.constexpr, BLOCK_R: tl.constexpr):
-    # One program: this rank's release-store strictly precedes its own spin, so no program of
-    # this launch waits for another (safe under the interpreter and on the GPU).
-    _signal_body(bases_ptr, flag_offset, rank, num_ranks, epoch_ptr, send_counts_ptr,
-                 HAS_COUNTS, BLOCK_R)
-    _wait_body(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, 0, counts_ptr, error_ptr,
-               timeout, error_bit, False, HAS_COUNTS, USE_TIMER, BLOCK_R)
 
 
 def _block(num_ranks: int) -> int:
@@ -126,23 +99,3 @@ def wait(bases, rank: int, flag_offset: int, epoch, error, timeout_s: float, lag
                       bases if counts is None else counts, error, timeout, error_bit, BUMP=bump,
                       HAS_COUNTS=counts is not None, USE_TIMER=not INTERPRET,
                       BLOCK_R=_block(num_ranks))
-
-
-def signal_wait(bases, rank: int, flag_offset: int, epoch, error, timeout_s: float,
-                send_counts=None, counts=None, error_bit: int = errors.DISPATCH_TIMEOUT) -> None:
-    """`signal(bases, flag_offset, rank, epoch, send_counts)` then `wait(bases, rank,
-    flag_offset, epoch, error, timeout_s, counts=counts, error_bit=error_bit)` in one launch
-    (`send_counts` and `counts` both given or both None).
-
-    Example: one rank, heap a = int64 [0, 0] (flags at byte 8), epoch = [3], send_counts = [5]:
-        signal_wait([a.data_ptr()], 0, 8, epoch, error, 1.0, send_counts, counts)
-        -> a = [0, 3 << 32 | 5], counts = [5], error = [0].
-    """
-    assert (send_counts is None) == (counts is None)
-    timeout = int(timeout_s * 2e4) if INTERPRET else int(timeout_s * 1e9)
-    num_ranks = bases.numel()
-    signal_wait_kernel[(1,)](bases, rank, flag_offset, num_ranks, epoch,
-                             bases if send_counts is None else send_counts,
-                             bases if counts is None else counts, error, timeout, error_bit,
-                             HAS_COUNTS=counts is not None, USE_TIMER=not INTERPRET,
-                             BLOCK_R=_block(num_ranks))
