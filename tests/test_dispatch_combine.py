@@ -70,7 +70,6 @@ def test_matrix(num_ranks: int, device: str) -> None:
 def run_stream_options(target: str, avoid_record_stream: str, seed: int) -> int:
     """Every combination of the stream options, bitwise; on CPU they are no-ops."""
     os.environ["EP_AVOID_RECORD_STREAM"] = avoid_record_stream
-    device = target.split(":")[0]
     buffer = _buffer(target, 7, 96, 4)
     assert buffer.avoid_record_stream == (avoid_record_stream == "1")
     count = 0

@@ -257,7 +257,7 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
 
     Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] fp32 or None)``.
     """
-    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    num_ranks = dist.get_world_size(group)
     _check_experts(num_experts, num_ranks)
     d = dispatched
     expand = d.recv_topk_idx is None
