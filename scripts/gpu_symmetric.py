@@ -142,17 +142,24 @@ def check_ranks(tokens, hidden, topk, experts):
 
 
 def _cuda_time(fn, iters):
+    """(GPU seconds per call over back-to-back calls, median host seconds per call with the GPU
+    idle before each call: the host cost alone, not time spent waiting for the GPU)."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host = time.perf_counter()
     start.record()
     for _ in range(iters):
         fn()
     end.record()
-    host = (time.perf_counter() - host) / iters
     torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e-3, host
+    host = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn()
+        host.append(time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters * 1e-3, sorted(host)[iters // 2]
 
 
 def _launches(fn):
@@ -163,6 +170,35 @@ def _launches(fn):
         torch.cuda.synchronize()
     return sum(1 for e in prof.events() if e.device_type.name == "CUDA"
                and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+
+
+def profile_calls(tokens, hidden, topk, experts):
+    """Where host and GPU time of one EP=1 dispatch + combine go (torch profiler tables)."""
+    from torch.profiler import ProfilerActivity, profile
+    from epcomm.buffer import Buffer
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+    x, idx, w = _data(0, tokens, hidden, topk, experts, False, 7, device)
+    for _ in range(3):
+        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
+        buffer.combine(out[0], out[3], topk_weights=out[2])
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
+            buffer.combine(out[0], out[3], topk_weights=out[2])
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
+    import cProfile
+    import pstats
+    profiler = cProfile.Profile()
+    for _ in range(10):
+        torch.cuda.synchronize()
+        profiler.enable()
+        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
+        profiler.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
 
 
 def bench(tokens, hidden, topk, experts):
@@ -176,9 +212,15 @@ def bench(tokens, hidden, topk, experts):
     rows = []
     t_copy, _ = _cuda_time(lambda: copy_out.copy_(x), 20)
     rows.append(("torch copy of x (roofline)", t_copy, nbytes, 1.0, 1, 0.0))
+    # Bytes each path must move, in units of x's bytes, read + written (docs/perf-notes.md):
+    # compact: read x, write staging, read staging, write the output (4); expand: the staging
+    # copy and read (3) plus one output row per (token, expert) pair (dispatch), or one read
+    # per pair plus staging write, read and the output (combine).
+    pairs = int((idx >= 0).sum()) / tokens
     for expand in (False, True):
         opts = dict(do_expand=expand, do_cpu_sync=False)
         state = {}
+        moved = 3 + pairs if expand else 4
 
         def dispatch():
             state["out"] = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
@@ -190,12 +232,10 @@ def bench(tokens, hidden, topk, experts):
         name = "expand" if expand else "compact"
         t_d, host_d = _cuda_time(dispatch, 20)
         t_c, host_c = _cuda_time(combine, 20)
-        # Dispatch reads x and writes the staging region, then the copy epilogue reads it and
-        # writes the output: two copies of x; combine likewise moves rows twice.
-        rows.append((f"dispatch {name} (sync-free)", t_d, nbytes, 2 * t_copy / t_d,
+        rows.append((f"dispatch {name} (sync-free)", t_d, nbytes, moved / 2 * t_copy / t_d,
                      _launches(dispatch), host_d))
-        rows.append((f"combine {name}", t_c, nbytes, 2 * t_copy / t_c, _launches(combine),
-                     host_c))
+        rows.append((f"combine {name}", t_c, nbytes, moved / 2 * t_copy / t_c,
+                     _launches(combine), host_c))
     graph = torch.cuda.CUDAGraph()
     out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
     with torch.cuda.graph(graph):
@@ -204,17 +244,18 @@ def bench(tokens, hidden, topk, experts):
     t_g, host_g = _cuda_time(graph.replay, 20)
     rows.append(("graph replay dispatch+combine compact", t_g, nbytes, 4 * t_copy / t_g, 1,
                  host_g))
-    return rows, buffer.num_sms
+    return rows, buffer.num_sms, buffer._impl.heap_bytes
 
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8])
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="profiler tables of EP=1 calls")
     args = parser.parse_args()
     shape = (args.tokens, args.hidden, args.topk, args.experts)
     for ranks in args.ranks:
@@ -222,12 +263,14 @@ def main():
         print(f"check: {ranks} ranks on {torch.cuda.device_count()} GPU(s): bitwise equal to the "
               f"collective backend, sync-debug clean, graph replay equal "
               f"({max(seconds):.1f} s)", flush=True)
+    if args.profile:
+        run_local_ranks(profile_calls, 1, *shape, timeout_s=600)
     if args.no_bench:
         return
-    rows, num_sms = run_local_ranks(bench, 1, *shape, timeout_s=600)[0]
+    rows, num_sms, heap = run_local_ranks(bench, 1, *shape, timeout_s=600)[0]
     print(f"\nEP=1, {args.tokens} x {args.hidden} bf16, top-{args.topk}, {args.experts} experts, "
-          f"num_sms={num_sms}")
-    print(f"| {'what':40} | {'GPU us':>9} | {'GB/s (x bytes)':>14} | {'vs copy roofline':>16} | "
+          f"num_sms={num_sms}, heap {heap / 2**20:.0f} MiB per rank")
+    print(f"| {'what':40} | {'GPU us':>9} | {'GB/s (x bytes)':>14} | {'of copy roofline':>16} | "
           f"{'launches':>8} | {'host us':>8} |")
     print(f"|{'-' * 42}|{'-' * 11}|{'-' * 16}|{'-' * 18}|{'-' * 10}|{'-' * 10}|")
     for name, seconds, nbytes, ratio, launches, host in rows:

@@ -1,7 +1,8 @@
-"""Each kernel of `epcomm.kernels` on exactly its docstring example, on local tensors.
+"""The kernels of `epcomm.kernels` on exactly their docstring examples, on local tensors.
 
-"Heaps" are ordinary tensors here; `bases` holds their addresses. Without CUDA the kernels run
-under the Triton interpreter (importing `epcomm.kernels` selects it before any kernel exists).
+One rank: the "heap" is an ordinary tensor and `bases` holds its address, so a kernel's stores
+into "peers" land there and its waits are satisfied by its own signals. Without CUDA the
+kernels run under the Triton interpreter (importing `epcomm.kernels` selects it first).
 """
 import pytest
 
@@ -10,19 +11,46 @@ pytest.importorskip("triton")
 import torch  # noqa: E402
 
 from epcomm import errors  # noqa: E402
+from epcomm.kernels import INTERPRET  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
-from epcomm.kernels.sync import signal, wait  # noqa: E402
+from epcomm.kernels.sync import timeout_units  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-i32, i64 = torch.int32, torch.int64
+i32, i64, bf16 = torch.int32, torch.int64, torch.bfloat16
+S, K, H = 4, 2, 2
+REGION = 64  # bytes: the six int64 counters of one rank (dispatch), then the staging records
+SHAPE = dispatch.KernelShape(num_ranks=1, num_topk=K, vec=1, block_w=16, rows=4, programs=1,
+                             num_warps=1, use_timer=not INTERPRET)
+TIMEOUT = timeout_units(10.0, INTERPRET)
 
 
 def _t(values, dtype):
     return torch.tensor(values, dtype=dtype, device=DEV)
 
 
-def _bases(*heaps):
-    return _t([h.data_ptr() for h in heaps], i64)
+class OneRank:
+    """A one-rank heap with the dispatch counters at byte 0, combine counters at byte 24... and
+    both staging regions; the scratch tensors of the backend."""
+
+    def __init__(self) -> None:
+        self.heap = torch.zeros(512, dtype=i32, device=DEV)
+        bases = _t([self.heap.data_ptr()], i64)
+        self.dispatch = dispatch.Stage(bases, 0, 0, REGION, S)
+        self.combine = dispatch.Stage(bases, 0, 24, REGION + 4 * 48, S)
+        self.sync = torch.zeros(8, dtype=i64, device=DEV)
+        self.error = _t(0, i32)
+        self.counts = torch.zeros(16, dtype=i32, device=DEV)
+        self.pos = torch.zeros(16, dtype=i32, device=DEV)
+        self.hist = torch.zeros(64, dtype=i32, device=DEV)
+        self.gaps = torch.zeros(128, dtype=i32, device=DEV)
+
+    def counters(self, offset: int):
+        """(ready, free, count) of the counter array at byte `offset`."""
+        return self.heap.view(i64)[offset // 8: offset // 8 + 3].tolist()
+
+    def record(self, region: int, slot: int, words: int):
+        start = region // 4 + slot * words
+        return self.heap[start:start + words].tolist()
 
 
 def _word(values, dtype):
@@ -30,124 +58,135 @@ def _word(values, dtype):
     return int(torch.tensor(values, dtype=dtype).view(i32)[0])
 
 
-def test_signal_example():
-    a, b = torch.zeros(2, dtype=i64, device=DEV), torch.zeros(2, dtype=i64, device=DEV)
-    signal(_bases(a, b), 0, 1, _t([3], i64), _t([5, 7], i64))
-    assert a.tolist() == [0, 3 << 32 | 5] and b.tolist() == [0, 3 << 32 | 7]
+def _send_example(rank: OneRank):
+    x = _t([[1, 2], [3, 4]], bf16)
+    layout = dispatch.RecordLayout(K, dispatch.payload_words([x]))
+    slots = torch.full((2, K), -7, dtype=i32, device=DEV)
+    dispatch.send(SHAPE, rank.dispatch, rank.sync, rank.counts, rank.pos, _t([[0, 3], [-1, -1]], i64),
+                  4, None, [x], layout, slots, rank.error, TIMEOUT)
+    return x, layout, slots
 
 
-def test_wait_example():
-    a = _t([0, 3 << 32 | 5, 2 << 32 | 7], i64)
-    b = torch.zeros(3, dtype=i64, device=DEV)
-    epoch, error, counts = _t([2], i64), _t(0, i32), _t([-9, -9], i64)
-    wait(_bases(a, b), 0, 8, epoch, error, 0.01, bump=True, counts=counts)
-    assert epoch.tolist() == [3] and int(error) == errors.DISPATCH_TIMEOUT
-    assert counts.tolist() == [5, 0]
-    # Once the late flag arrives, the same wait returns without an error.
-    a[2] = 3 << 32 | 7
-    error.zero_()
-    wait(_bases(a, b), 0, 8, epoch, error, 10.0, counts=counts)
-    assert int(error) == 0 and counts.tolist() == [5, 7]
+def test_send_example():
+    rank = OneRank()
+    x, layout, slots = _send_example(rank)
+    assert layout.words == 12 and layout.offsets == (8,)
+    record = rank.record(REGION, 0, 12)
+    assert record[:3] == [0, 0, 3] and record[8] == _word([1, 2], bf16)
+    assert slots.tolist() == [[0, 0], [-1, -1]]
+    assert rank.counters(0) == [1, 0, 1]  # ready += P (1), free untouched, count 1
+    assert int(rank.error) == 0
 
 
-def _record(values):
-    """A 12-word record (layout K=2, one payload word) from {word index: value}."""
-    rec = [0] * 12
-    for index, value in values.items():
-        rec[index] = value
-    return rec
+def _receive(rank, layout, *, full=True, expand=False, out_rows=1, tail=False, capacity=2**31 - 1):
+    out = dict(idx_out=torch.full((out_rows, K), -7, dtype=i64, device=DEV),
+               metadata=torch.full((out_rows, K + 2), -7, dtype=i32, device=DEV),
+               rank_psum=torch.full((1,), -7, dtype=i32, device=DEV),
+               expert_counts=torch.full((4,), -7, dtype=i32, device=DEV),
+               expert_psum=torch.full((4,), -7, dtype=i32, device=DEV),
+               rows_out=[torch.full((out_rows, H), -7, dtype=bf16, device=DEV)])
+    dispatch.receive(SHAPE, rank.dispatch, rank.sync, rank.hist, rank.gaps, layout, full=full,
+                     max_tokens=S, num_local=4, alignment=2, capacity=capacity,
+                     out_rows=out_rows, expand=expand, zero_padding=True, tail=tail,
+                     weights_out=None, error=rank.error, timeout=TIMEOUT, **out)
+    return out
 
 
-def test_push_example():
-    x = _t([[1, 2], [3, 4]], torch.bfloat16)
-    layout = dispatch.RecordLayout(2, dispatch.payload_words([x]))
-    assert (layout.offsets, layout.words) == ((8,), 12)
-    a, b = torch.zeros(48, dtype=i32, device=DEV), torch.zeros(48, dtype=i32, device=DEV)
-    dispatch.push(_bases(a, b), 0, 0, 2, _t([[0, 0], [1, -1]], i64), _t([[0, 3], [1, -1]], i32),
-                  None, [x], layout, 2)
-    x0, x1 = _word([1, 2], torch.bfloat16), _word([3, 4], torch.bfloat16)
-    first = _record({0: 0, 1: 0, 2: 3, 8: x0})
-    assert a.tolist() == first + _record({0: 1, 1: 1, 2: -1, 8: x1}) + [0] * 24
-    assert b.tolist() == first + [0] * 36
+def test_receive_example():
+    rank = OneRank()
+    x, layout, _ = _send_example(rank)
+    out = _receive(rank, layout)
+    assert out["rank_psum"].tolist() == [1]
+    assert out["expert_counts"].tolist() == [1, 0, 0, 1]
+    assert out["expert_psum"].tolist() == [2, 2, 2, 4]
+    assert out["idx_out"].tolist() == [[0, 3]]
+    assert out["metadata"].tolist() == [[0, 1, 0, 2]]
+    assert torch.equal(out["rows_out"][0], x[:1])
+    assert rank.counters(0) == [1, 1, 1]  # this rank freed its staging block
+    assert int(rank.error) == 0
 
 
-def test_compact_example():
-    layout = dispatch.RecordLayout(2, (1,))
-    heap = torch.zeros(48, dtype=i32, device=DEV)
-    heap[0:12] = _t(_record({0: 0, 1: 0, 2: 3, 8: 11}), i32)
-    heap[24:36] = _t(_record({0: 1, 1: 2, 2: -1, 8: 22}), i32)
-    local_idx, src, stage = (torch.full(shape, -5, dtype=i32, device=DEV)
-                             for shape in ((3, 2), (3,), (3,)))
-    rows = torch.zeros(3, 2, dtype=torch.bfloat16, device=DEV)
-    dispatch.compact(_bases(torch.empty(0), heap), 0, 1, 2, 2, 2, _t([1, 1], i64), layout,
-                     local_idx, None, src, stage, [rows], 2)
-    assert local_idx.tolist() == [[-1, 1], [0, -1], [-5, -5]]  # row 2: past the count
-    assert src.tolist() == [0, 3, -5] and stage.tolist() == [0, 2, -5]
-    assert rows.view(i32).flatten().tolist() == [11, 22, 0]
+def test_receive_counting_pass_touches_no_output_or_counter():
+    rank = OneRank()
+    _, layout, _ = _send_example(rank)
+    out = _receive(rank, layout, full=False)
+    assert out["rank_psum"].tolist() == [1] and out["expert_counts"].tolist() == [1, 0, 0, 1]
+    assert out["metadata"].tolist() == [[-7] * (K + 2)] and rank.counters(0) == [1, 0, 1]
 
 
-def test_expand_example():
-    layout = dispatch.RecordLayout(2, (1,))
-    heap = torch.zeros(36, dtype=i32, device=DEV)
-    x = _word([1, 2], torch.bfloat16)
-    heap[24:36] = _t(_record({0: 0, 1: 1, 2: 0, 3: _word([0.5], torch.float32),
-                              4: _word([0.25], torch.float32), 8: x}), i32)
-    rows = torch.zeros(4, 2, dtype=torch.bfloat16, device=DEV)
-    weights = torch.zeros(4, dtype=torch.float32, device=DEV)
-    dispatch.expand(_bases(heap), 0, 0, _t([1], i64), layout, _t([2], i32),
-                    _t([[0, 1, 3, 0]], i32), weights, [rows], 2)
-    assert rows.view(i32).flatten().tolist() == [x, 0, 0, x]
-    assert weights.tolist() == [0.25, 0, 0, 0.5]
+def test_receive_sync_free_tail_and_expand_rows():
+    rank = OneRank()
+    x, layout, _ = _send_example(rank)
+    out = _receive(rank, layout, expand=True, out_rows=3, tail=True, capacity=6)
+    assert out["metadata"].tolist() == [[0, 1, 0, 2], [-1] * 4, [-1] * 4]
+    assert out["expert_psum"].tolist() == [1, 2, 2, 3]  # expand: start + count
+    rows = out["rows_out"][0]
+    assert torch.equal(rows[0], x[0]) and torch.equal(rows[2], x[0])  # both pairs' rows
+    assert rows[1].tolist() == [0, 0] and rows[3:].eq(0).all()  # gap and tail: zero padding
 
 
-def test_combine_push_example():
-    layout = combine.CombineLayout(hidden=1, num_topk=2)
-    assert (layout.weight_offset, layout.words) == (4, 8)
-    heap = torch.zeros(4 * 8, dtype=i32, device=DEV)
-    combine.push(_bases(heap), 0, 0, 4, _t([1], i32), _t([2], i32), _t([[2, 1, 1, 0]], i32),
-                 _t([[1], [256]], torch.bfloat16), _t([0.5, 0.25], torch.float32), layout,
-                 expand=True, num_programs=2)
-    record = heap[16:24]
-    assert record[0:1].view(torch.bfloat16).tolist() == [256, 0]  # bf16(256 + 1): ties to even
-    assert record[4:6].view(torch.float32).tolist() == [0.25, 0.5]
-    assert int(heap[:16].abs().sum()) == 0 and int(heap[24:].abs().sum()) == 0
+def test_receive_times_out_instead_of_hanging():
+    rank = OneRank()
+    rank.sync[0] = 1  # one send call counted, but its ready counter never arrives
+    layout = dispatch.RecordLayout(K, (1,))
+    dispatch.receive(SHAPE, rank.dispatch, rank.sync, rank.hist, rank.gaps, layout, full=False,
+                     max_tokens=S, num_local=4, alignment=1, capacity=0, out_rows=0,
+                     expand=False, zero_padding=False, tail=False, idx_out=None,
+                     weights_out=None, metadata=rank.pos, rank_psum=rank.counts,
+                     expert_counts=rank.hist, expert_psum=rank.hist, rows_out=[],
+                     error=rank.error, timeout=timeout_units(0.01, INTERPRET))
+    assert int(rank.error) == errors.DISPATCH_TIMEOUT
+    assert rank.counts[0].item() == 0  # the late source counts as empty
 
 
-def _combine_heap(layout, records):
-    """A combine region of 6 records from {record: (bf16 row values, fp32 weights)}."""
-    heap = torch.zeros(6 * layout.words, dtype=i32, device=DEV)
-    for index, (row, weights) in records.items():
-        at = index * layout.words
-        heap[at:at + layout.weight_offset].view(torch.bfloat16)[:len(row)] = \
-            _t(row, torch.bfloat16)
-        heap[at + layout.weight_offset:at + layout.weight_offset + len(weights)] = \
-            _t(weights, torch.float32).view(i32)
-    return heap
+def _combine_example(rank: OneRank, x, weights):
+    layout = combine.CombineLayout(H, K)
+    combine.send(SHAPE, rank.combine, layout, rank.sync, _t([1], i32),
+                 _t([[0, 1, 0, 2]], i32), x, weights, False, rank.error, TIMEOUT)
+    return layout
+
+
+def test_combine_send_example():
+    rank = OneRank()
+    layout = _combine_example(rank, _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32))
+    assert layout.words == 8 and layout.weight_offset == 4  # 16-byte aligned fields
+    record = rank.record(REGION + 4 * 48, 0, 8)
+    assert record[0] == _word([5, 6], bf16)
+    assert record[4:6] == [_word([0.5], torch.float32), _word([0.25], torch.float32)]
+    assert rank.counters(24) == [1, 0, 0]
 
 
 def test_reduce_example():
-    layout = combine.CombineLayout(hidden=1, num_topk=2)
-    heap = _combine_heap(layout, {0: ([1], [0.5, 0.5]), 5: ([2], [0.25, 0.75])})
-    out = torch.zeros(1, 1, dtype=torch.bfloat16, device=DEV)
-    weights = torch.zeros(1, 2, dtype=torch.float32, device=DEV)
-    combine.reduce(_bases(heap), 0, 0, _t([[5, 0]], i64), _t([[5, 0]], i64),
-                   [_t([[4]], torch.bfloat16)], out, weights, layout, 2)
-    assert out.tolist() == [[7]] and weights.tolist() == [[0.25, 0.5]]
+    rank = OneRank()
+    layout = _combine_example(rank, _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32))
+    out = torch.full((2, H), -7, dtype=bf16, device=DEV)
+    weights = torch.full((2, K), -7, dtype=torch.float32, device=DEV)
+    combine.reduce(SHAPE, rank.combine, layout, rank.sync, _t([[0, 0], [-1, -1]], i32),
+                   (_t([[1, 1], [2, 2]], bf16),), out, weights, rank.error, TIMEOUT)
+    assert out.tolist() == [[6, 7], [2, 2]]
+    assert weights.tolist() == [[0.5, 0.25], [0, 0]]
+    assert rank.counters(24) == [1, 1, 0] and int(rank.error) == 0
 
 
 def test_reduce_rounds_like_torch():
-    """fp32 sums of bf16 values land between bf16 values, often on ties: the kernel's rounding
-    (integer arithmetic, also under the interpreter) must match torch bit for bit."""
-    hidden = 256
-    layout = combine.CombineLayout(hidden=hidden, num_topk=1)
-    gen = torch.Generator().manual_seed(0)
-    row = torch.randn(hidden, generator=gen).bfloat16()
-    row[:4] = torch.tensor([1.0, -1.0, 3.0, 0.0])
-    bias = torch.randn(1, hidden, generator=gen).bfloat16() * 1e-2
-    bias[0, :4] = torch.tensor([2.0 ** -8, -(2.0 ** -8), 2.0 ** -7, -0.0])
-    heap = _combine_heap(layout, {3: (row.tolist(), [0.0])})
-    out = torch.zeros(1, hidden, dtype=torch.bfloat16, device=DEV)
-    combine.reduce(_bases(heap), 0, 0, _t([[3]], i64), _t([[3]], i64), [bias.to(DEV)], out,
-                   None, layout, 1)
-    want = (0.0 + bias.float() + row.float()).bfloat16()
-    assert torch.equal(out.cpu().view(torch.int16), want.view(torch.int16))
+    """The fp32 sum of bias + row, rounded once to bf16, equals torch's on random data (the
+    kernel converts in integer arithmetic: round to nearest even)."""
+    hidden, tokens = 64, 4
+    gen = torch.Generator().manual_seed(3)
+    shape = dispatch.KernelShape(1, 1, 1, 16, 4, 1, 1, not INTERPRET)
+    layout = combine.CombineLayout(hidden, 1)
+    rank = OneRank()
+    rank.heap = torch.zeros(4096, dtype=i32, device=DEV)
+    bases = _t([rank.heap.data_ptr()], i64)
+    stage = dispatch.Stage(bases, 0, 24, REGION, tokens)
+    x = (torch.randn(tokens, hidden, generator=gen) * 1e3).bfloat16().to(DEV)
+    bias = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEV)
+    meta = torch.stack([torch.arange(tokens), torch.zeros(tokens, dtype=i64),
+                        torch.arange(tokens)], 1).to(i32).to(DEV)
+    combine.send(shape, stage, layout, rank.sync, _t([tokens], i32), meta, x, None, False,
+                 rank.error, TIMEOUT)
+    out = torch.empty(tokens, hidden, dtype=bf16, device=DEV)
+    combine.reduce(shape, stage, layout, rank.sync, torch.arange(tokens, dtype=i32,
+                                                                  device=DEV).view(-1, 1),
+                   (bias,), out, None, rank.error, TIMEOUT)
+    assert torch.equal(out, (bias.float() + x.float()).bfloat16())

@@ -92,7 +92,8 @@ def _matrix(num_ranks):
     num_experts = 4 * num_ranks
     buffers = [Buffer(group, M, H, K, backend=name, timeout_s=30)
                for name in ("collective", "symmetric")]
-    assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 2
+    # One program per launch under the interpreter (it runs programs one after another).
+    assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 1
     uneven = [M, 0, 5][rank % 3]  # uneven T, one rank with none
     seed = 0
     for expand, sync, align, fp8, with_w in itertools.product(

@@ -329,13 +329,13 @@ class Buffer:
         def work(alloc: OutputAllocator):
             # Copies run here, on the comm stream: with `previous_event` it does not wait for
             # work queued on the current stream after that event.
-            routing = topk_idx.clone() if copy_topk_idx else topk_idx.contiguous()
             return self._impl.dispatch(DispatchRequest(
-                rows=[row.contiguous() for row in rows], topk_idx=routing,
+                rows=[row.contiguous() for row in rows], topk_idx=topk_idx.contiguous(),
                 topk_weights=None if topk_weights is None else topk_weights.contiguous(),
                 num_experts=num_experts, num_max_tokens_per_rank=max_tokens,
                 expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
-                do_zero_padding=do_zero_padding, cached=handle, alloc=alloc))
+                do_zero_padding=do_zero_padding, cached=handle, alloc=alloc,
+                copy_topk_idx=copy_topk_idx))
 
         result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
                                      async_with_compute_stream, allocate_on_comm_stream)

@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import reduce_tensor
 _SHM_DIR = "/dev/shm"
 
 
-def _all_gather(obj, group) -> list:
+def all_gather_objects(obj, group) -> list:
     out = [None] * dist.get_world_size(group)
     dist.all_gather_object(out, obj, group=group)
     return out
@@ -70,9 +70,9 @@ def heap_reachable(group: dist.ProcessGroup, device: torch.device,
     (ok, the reasons of the ranks that objected).
     """
     host, uid = _local_view(device)
-    views = _all_gather((host, uid), group)
+    views = all_gather_objects((host, uid), group)
     reason = local_reason or _reason(views, host, uid, device)
-    reasons = _all_gather(reason, group)
+    reasons = all_gather_objects(reason, group)
     failed = [f"rank {r}: {text}" for r, text in enumerate(reasons) if text]
     return not failed, "; ".join(failed)
 
@@ -92,13 +92,13 @@ class SymmetricHeap:
             self.local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             torch.cuda.synchronize(device)  # peers must see the zeros before they map it
             rebuild, args = reduce_tensor(self.local)
-            peer_args = _all_gather(args, group)
+            peer_args = all_gather_objects(args, group)
             self._peers = [self.local if r == self.rank else rebuild(*peer_args[r])
                            for r in range(self.num_ranks)]
         else:
             path = os.path.join(_SHM_DIR, f"epcomm-{uuid.uuid4().hex}-r{self.rank}")
             self.local = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
-            paths = _all_gather(path, group)
+            paths = all_gather_objects(path, group)
             try:
                 self._peers = [self.local if r == self.rank else
                                torch.from_file(paths[r], shared=True, size=nbytes,

@@ -47,6 +47,7 @@ class DispatchRequest:
         `[x_fp8 [T, H], scales [T, ceil(H/128)]]`.
     topk_idx: [T, K] int64 or int32; topk_weights: [T, K] fp32 or None.
     cached: a handle whose routing and layout are reused (no count exchange), or None.
+    copy_topk_idx: the new handle must hold a copy of `topk_idx` (made on the comm stream).
     """
 
     rows: Sequence[torch.Tensor]
@@ -60,6 +61,7 @@ class DispatchRequest:
     do_zero_padding: bool
     cached: Optional[EPHandle]
     alloc: OutputAllocator
+    copy_topk_idx: bool = False  # the handle keeps a copy of topk_idx, not the caller's tensor
 
 
 @dataclass

@@ -275,7 +275,7 @@ class CollectiveBackend(Backend):
             num_unaligned_recv_tokens_per_expert=experts.counts.int(),
             num_recv_tokens_per_expert_list=counts_list,
             recv_src_metadata=alloc.empty(tuple(metadata.shape), torch.int32).copy_(metadata),
-            topk_idx=request.topk_idx,
+            topk_idx=request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx,
             num_experts=request.num_experts,
             expert_alignment=request.expert_alignment,
             num_max_tokens_per_rank=M,

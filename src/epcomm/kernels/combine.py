@@ -1,8 +1,22 @@
-"""Combine: push expert outputs back to their source ranks, then reduce them there.
+"""Combine in two fused kernels: `send` on every rank that received rows, then `reduce` on every
+source rank.
 
-Combine staging region of every heap: `[R, S]` records, block r written only by rank r, record
-`r * S + pos` holding the row rank r returns for the `pos`-th token this rank sent it. A record is
-the bf16 row (H values) then, at word `weight_offset`, K fp32 weights.
+Heap memory: the combine counters `[ready R | free R | count R]` (the count slots are unused:
+each source already knows which records it expects) and the combine staging region `[R, S]`,
+block d written only by rank d: record `d * S + p` holds what rank d returns for the p-th token
+this rank sent it, the bf16 row (H values) then, at word `weight_offset`, K fp32 weights.
+
+`send` (P programs, compact rows split into P chunks):
+1. wait until every source has reduced what this rank returned the call before (free);
+2. for compact row n, received from rank s as its p-th token: record `rank * S + p` of s's
+   region gets the row `x[n]` (compact) or the fp32 sum, rounded once to bf16, of the rows
+   `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights;
+3. add 1 to every source's ready counter (release).
+
+`reduce` (P programs, tokens split into P chunks): wait for every ready counter, then
+`combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot of each rank, in slot
+order)` in fp32 (docs/semantics.md), the weights of each slot from its rank's record; add 1 to
+every peer's free counter.
 """
 from __future__ import annotations
 
@@ -13,7 +27,12 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import bf16_to_f32, copy_words, f32_to_bf16, i16_ptr, i32_ptr, record_addr
+from .dispatch import KernelShape, Stage
+from .common import (bf16_to_f32, columns, copy_rows, f32_to_bf16, flag_mask, i32_ptr,
+                     max_along, sum_along)
+from .sync import add_counters, own_counters, peer_counters, wait_counters
+
+SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
 
 
 @dataclass(frozen=True)
@@ -32,121 +51,182 @@ class CombineLayout:
         return (self.weight_offset + self.num_topk + 3) // 4 * 4
 
 
-def _block_h(hidden: int) -> int:
-    return min(triton.next_power_of_2(hidden), 2048)
+@triton.jit
+def half_ptrs(addr, VEC: tl.constexpr):
+    """int64 byte addresses as pointers to 16-bit values, hinted 2*VEC-byte aligned."""
+    return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), 2 * VEC)
 
 
-@triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "stride_tokens",
-                               "record_words", "weight_offset", "has_w"])
-def push_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, psum_ptr, stage_ptr,
-                meta_ptr, x_ptr, weights_ptr, has_w, record_words, weight_offset,
-                H: tl.constexpr, K: tl.constexpr, EXPAND: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_H: tl.constexpr):
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
+    "weight_offset", "expand", "has_w", "hidden", "timeout"])
+def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
+                weights_ptr, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
-    num_rows = tl.load(psum_ptr + num_ranks - 1)
-    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        row64 = tl.cast(row, tl.int64)
-        slot = tl.load(stage_ptr + row64)
-        source = slot // stride_tokens
-        addr = record_addr(bases_ptr, source, region_offset,
-                           rank * stride_tokens + slot - source * stride_tokens, record_words)
-        meta = meta_ptr + row64 * (K + 2) + 2
-        if EXPAND:
-            # Sum the token's expert rows in slot order in fp32, one bf16 rounding.
-            for start in range(0, H, BLOCK_H):
+    hidden = tl.multiple_of(hidden, VEC)
+    call = tl.atomic_add(sync_ptr + SYNC_COMBINE, 1, sem="relaxed", scope="gpu") \
+        // num_programs + 1
+    if not wait_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
+                         (call - 1) * num_programs, timeout, USE_TIMER):
+        tl.atomic_or(error_ptr, 8)  # errors.COMBINE_TIMEOUT
+    tl.debug_barrier()
+
+    psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
+    num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
+    chunk = (num_rows + num_programs - 1) // num_programs
+    begin = pid * chunk
+    end = tl.minimum(begin + chunk, num_rows)
+    for r0 in range(begin, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        nmask = rows < end
+        n64 = rows.to(tl.int64)
+        source = sum_along((psum[None, :] <= rows[:, None]).to(tl.int32), 1)
+        # psum is non-decreasing: the rows before source s's block are max(psum[r < s]).
+        first = max_along(tl.where(rr[None, :] < source[:, None], psum[None, :], 0), 1)
+        slot = rank * stride_tokens + rows - first
+        rec = tl.load(bases_ptr + source, mask=nmask, other=0) + region_offset \
+            + slot.to(tl.int64) * record_words * 4
+        meta = meta_ptr + n64 * (K + 2) + 2
+        hmask = nmask[:, None] & kmask[None, :]
+        if expand != 0:
+            # The token's expert rows summed in slot order in fp32, one bf16 rounding.
+            for start in range(0, hidden, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
-                hmask = offs < H
-                acc = tl.full([BLOCK_H], 0.0, tl.float32)
+                wmask = columns(offs, hidden, VEC)
+                acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
                 for j in tl.static_range(K):
-                    src = tl.load(meta + j).to(tl.int64)
-                    value = tl.load(x_ptr + tl.maximum(src, 0) * H + offs, mask=hmask & (offs * 0 + src >= 0))
-                    acc = tl.where(src >= 0, acc + bf16_to_f32(value), acc)
-                tl.store(i16_ptr(addr) + offs, f32_to_bf16(acc), mask=hmask)
+                    src = tl.load(meta + j, mask=nmask, other=-1).to(tl.int64)
+                    row = x_ptr + tl.multiple_of(tl.maximum(src, 0) * hidden, VEC)
+                    value = tl.load(row[:, None] + offs[None, :],
+                                    mask=(src >= 0)[:, None] & wmask[None, :])
+                    acc = tl.where((src >= 0)[:, None], acc + bf16_to_f32(value), acc)
+                dst = half_ptrs(rec, VEC)
+                tl.store(dst[:, None] + offs[None, :], f32_to_bf16(acc),
+                         mask=nmask[:, None] & wmask[None, :])
+            targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1).to(tl.int64)
+            weights = tl.load(weights_ptr + tl.maximum(targets, 0),
+                              mask=flag_mask(hmask & (targets >= 0), has_w), other=0)
         else:
-            copy_words(x_ptr + row64 * H, i16_ptr(addr), H, BLOCK_H)
-        if has_w != 0:
-            if EXPAND:
-                targets = tl.load(meta + kk, mask=kmask, other=-1).to(tl.int64)
-                weights = tl.load(weights_ptr + tl.maximum(targets, 0),
-                                  mask=kmask & (targets >= 0), other=0)
-            else:
-                weights = tl.load(weights_ptr + row64 * K + kk, mask=kmask)
-            tl.store(i32_ptr(addr) + weight_offset + kk, weights, mask=kmask)
+            copy_rows(x_ptr + tl.multiple_of(n64 * hidden, VEC), half_ptrs(rec, VEC), nmask,
+                      hidden, VEC, BLOCK_H)
+            weights = tl.load(weights_ptr + n64[:, None] * K + kk[None, :],
+                              mask=flag_mask(hmask, has_w), other=0)
+        tl.store(i32_ptr(rec)[:, None] + weight_offset + kk[None, :], weights,
+                 mask=flag_mask(hmask, has_w))
+    add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
 
 
-def push(bases, region_offset: int, rank: int, stride_tokens: int, psum_per_rank, stage_rows,
-         metadata, x, weights: Optional[torch.Tensor], layout: CombineLayout, expand: bool,
-         num_programs: int) -> None:
-    """For each compact row n < psum_per_rank[-1], received from rank s = stage_rows[n] //
-    stride_tokens as its p-th token (p = stage_rows[n] % stride_tokens), write record
-    `rank * stride_tokens + p` of s's combine region: the row `x[n]` (compact) or the fp32 sum,
-    rounded once to bf16, of the rows `x[metadata[n, 2 + j]]` over slots j with an expand row
-    (expand); then the weights: `weights[n, :]` (compact) or `weights[metadata[n, 2 + j]]`, 0 for
-    slots without a row (expand).
-
-    Example (expand, K 2, rank 0 of 1, stride 4): psum = [1], stage_rows = [2],
-    metadata = [[2, 1, 1, 0]], x = bf16 [[1], [256]], weights = [0.5, 0.25]:
-        record 2 = [bf16(256 + 1) = 256 | 0.25 0.5].
-    """
-    num_topk = metadata.shape[1] - 2
-    hidden = x.shape[1]
-    push_kernel[(max(1, num_programs),)](
-        bases, region_offset, rank, bases.numel(), stride_tokens, psum_per_rank, stage_rows,
-        metadata, x.view(torch.int16), stage_rows if weights is None else weights.view(torch.int32),
-        int(weights is not None), layout.words, layout.weight_offset, H=hidden, K=num_topk,
-        EXPAND=expand, BLOCK_K=triton.next_power_of_2(num_topk), BLOCK_H=_block_h(hidden))
-
-
-@triton.jit(do_not_specialize=["region_offset", "rank", "num_tokens", "num_biases", "has_w",
-                               "record_words", "weight_offset"])
-def reduce_kernel(bases_ptr, region_offset, rank, num_tokens, last_ptr, slot_ptr, bias0_ptr,
-                  bias1_ptr, num_biases, out_ptr, w_out, has_w, record_words, weight_offset,
-                  H: tl.constexpr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_H: tl.constexpr):
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "flags_offset", "region_offset", "record_words", "weight_offset",
+    "num_tokens", "num_biases", "has_w", "hidden", "timeout"])
+def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
+                  weight_offset, sync_ptr, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
+                  num_biases, out_ptr, w_out, has_w, hidden, error_ptr, timeout,
+                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                  ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr,
+                  USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
+    hidden = tl.multiple_of(hidden, VEC)
+    call = tl.load(sync_ptr + SYNC_COMBINE) // num_programs
+    if not wait_counters(own_counters(bases_ptr, rank, flags_offset, rr), rmask,
+                         call * num_programs, timeout, USE_TIMER):
+        tl.atomic_or(error_ptr, 8)  # errors.COMBINE_TIMEOUT
+    tl.debug_barrier()
+
     base = tl.load(bases_ptr + rank) + region_offset
-    for t in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
-        t64 = tl.cast(t, tl.int64)
-        for start in range(0, H, BLOCK_H):
+    chunk = (num_tokens + num_programs - 1) // num_programs
+    begin = pid * chunk
+    end = tl.minimum(begin + chunk, num_tokens)
+    for t0 in range(begin, end, ROWS):
+        tt = t0 + tl.arange(0, ROWS)
+        tmask = tt < end
+        t64 = tt.to(tl.int64)
+        hmask = tmask[:, None] & kmask[None, :]
+        slots = tl.load(slot_ptr + t64[:, None] * K + kk[None, :], mask=hmask, other=-1)
+        # A slot adds its rank's row only if no later slot of the token has the same rank
+        # (the same record).
+        later = (kk[None, None, :] > kk[None, :, None]) & (slots[:, None, :] == slots[:, :, None])
+        last = (slots >= 0) & (max_along(later.to(tl.int32), 2) == 0)
+        for start in range(0, hidden, BLOCK_H):
             offs = start + tl.arange(0, BLOCK_H)
-            hmask = offs < H
-            acc = tl.full([BLOCK_H], 0.0, tl.float32)
+            wmask = columns(offs, hidden, VEC)
+            mask = tmask[:, None] & wmask[None, :]
+            rows = tl.multiple_of(t64 * hidden, VEC)[:, None] + offs[None, :]
+            acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
             if num_biases > 0:
-                acc = acc + bf16_to_f32(tl.load(bias0_ptr + t64 * H + offs, mask=hmask))
+                acc = acc + bf16_to_f32(tl.load(bias0_ptr + rows, mask=mask))
             if num_biases > 1:
-                acc = acc + bf16_to_f32(tl.load(bias1_ptr + t64 * H + offs, mask=hmask))
+                acc = acc + bf16_to_f32(tl.load(bias1_ptr + rows, mask=mask))
             for j in tl.static_range(K):
-                slot = tl.load(last_ptr + t64 * K + j)
-                rec = i16_ptr(base + tl.maximum(slot, 0) * record_words * 4)
-                value = tl.load(rec + offs, mask=hmask & (offs * 0 + slot >= 0))
-                acc = tl.where(slot >= 0, acc + bf16_to_f32(value), acc)
-            tl.store(out_ptr + t64 * H + offs, f32_to_bf16(acc), mask=hmask)
+                slot = sum_along(tl.where(kk[None, :] == j, slots, 0), 1)
+                live = sum_along(tl.where(kk[None, :] == j, last.to(tl.int32), 0), 1) > 0
+                rec = half_ptrs(base + tl.maximum(slot, 0).to(tl.int64) * record_words * 4, VEC)
+                value = tl.load(rec[:, None] + offs[None, :], mask=live[:, None] & wmask[None, :])
+                acc = tl.where(live[:, None], acc + bf16_to_f32(value), acc)
+            tl.store(out_ptr + rows, f32_to_bf16(acc), mask=mask)
         if has_w != 0:
-            slots = tl.load(slot_ptr + t64 * K + kk, mask=kmask, other=-1)
-            rec = i32_ptr(base + tl.maximum(slots, 0) * record_words * 4)
-            weights = tl.load(rec + weight_offset + kk, mask=kmask & (slots >= 0), other=0)
-            tl.store(w_out + t64 * K + kk, weights, mask=kmask)
+            rec = i32_ptr(base + tl.maximum(slots, 0).to(tl.int64) * record_words * 4)
+            weights = tl.load(rec + weight_offset + kk[None, :], mask=hmask & (slots >= 0),
+                              other=0)
+            tl.store(w_out + t64[:, None] * K + kk[None, :], weights, mask=hmask)
+    add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask), rmask)
 
 
-def reduce(bases, region_offset: int, rank: int, last_slots, slots, biases: Sequence[torch.Tensor],
-           out, weights_out: Optional[torch.Tensor], layout: CombineLayout,
-           num_programs: int) -> None:
-    """combined[t] = bf16(0.0 + bias0[t] + bias1[t] + rows of records last_slots[t, j] for
-    j = 0..K-1 where last_slots[t, j] >= 0), summed in fp32 in that order; weights_out[t, j] =
-    weight j of record slots[t, j], 0 where slots[t, j] < 0. Records are this rank's.
+def _args(stage: Stage, layout: CombineLayout, sync) -> tuple:
+    return (*stage.args(), layout.words, layout.weight_offset, sync)
 
-    Example (K 2): records 0 = [1 | 0.5 0.5], 5 = [2 | 0.25 0.75], last_slots = [[5, 0]],
-    slots = [[5, 0]], bias = [[4]]: out = [[7]], weights_out = [[0.25, 0.5]].
+
+def send(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata, x,
+         weights: Optional[torch.Tensor], expand: bool, error, timeout: int) -> None:
+    """The receiver side of a combine: return every received compact row to its source.
+
+    rank_psum [R] int32 and metadata [rows, K + 2] int32: the dispatch handle's; x: bf16
+    [rows, H] (compact) or [expand rows, H]; weights: fp32 [rows, K] (compact), [expand rows]
+    (expand) or None.
+
+    Example (one rank, H 2, K 2, compact): rank_psum = [1], x = bf16 [[5, 6]],
+    weights = [[0.5, 0.25]]: record 0 of the combine region = [5 6 | 0.5 0.25], the ready
+    counter += P.
     """
-    num_tokens, num_topk = last_slots.shape
-    hidden = out.shape[1]
+    has_w = weights is not None
+    send_kernel[(shape.programs,)](
+        *_args(stage, layout, sync), rank_psum, metadata, x.view(torch.int16), int(expand),
+        weights.view(torch.int32) if has_w else metadata, int(has_w), x.shape[1], error,
+        timeout, **shape.constants("BLOCK_H"))
+
+
+def reduce(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, slots,
+           biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
+           timeout: int) -> None:
+    """The source side of a combine, once every peer's rows have arrived:
+    `out[t] = bf16(0.0 + bias0[t] + bias1[t] + record(slots[t, j]) for the slots j >= 0 whose
+    record no later slot repeats)`, summed in fp32 in that order; `weights_out[t, j]` = weight j
+    of record `slots[t, j]`, 0 where `slots[t, j] < 0`.
+
+    slots: [T, K] int32, the dispatch send's slot_out (record `d * S + p`: rank d returned it
+    for the token this rank sent it as its p-th); biases: zero, one or two bf16 [T, H].
+
+    Example (after the `send` example): slots = [[0, 0], [-1, -1]], biases = ([[1, 1], [2, 2]],):
+        out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]].
+    """
     bias0 = biases[0] if biases else out
     bias1 = biases[1] if len(biases) > 1 else bias0
-    reduce_kernel[(max(1, min(num_programs, num_tokens)),)](
-        bases, region_offset, rank, num_tokens, last_slots, slots, bias0.view(torch.int16),
+    args = _args(stage, layout, sync)
+    reduce_kernel[(shape.programs,)](
+        *args[:5], *args[6:], slots.shape[0], slots, bias0.view(torch.int16),
         bias1.view(torch.int16), len(biases), out.view(torch.int16),
-        bases.view(torch.int32) if weights_out is None else weights_out.view(torch.int32),
-        int(weights_out is not None), layout.words, layout.weight_offset, H=hidden, K=num_topk,
-        BLOCK_K=triton.next_power_of_2(num_topk), BLOCK_H=_block_h(hidden))
+        slots if weights_out is None else weights_out.view(torch.int32),
+        int(weights_out is not None), out.shape[1], error, timeout, **shape.constants("BLOCK_H"))

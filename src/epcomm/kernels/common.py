@@ -10,19 +10,6 @@ def i32_ptr(addr):
 
 
 @triton.jit
-def i16_ptr(addr):
-    """An int64 address as a pointer to 16-bit values (bf16 bits)."""
-    return addr.to(tl.pointer_type(tl.int16))
-
-
-@triton.jit
-def record_addr(bases_ptr, rank, region_offset, slot, record_words):
-    """Address of record `slot` of the region at byte `region_offset` of `rank`'s heap."""
-    base = tl.load(bases_ptr + rank)
-    return base + region_offset + tl.cast(slot, tl.int64) * record_words * 4
-
-
-@triton.jit
 def bf16_to_f32(bits):
     """bf16 bits (int16) to fp32, exactly."""
     return (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
@@ -41,12 +28,38 @@ def f32_to_bf16(x):
 
 
 @triton.jit
-def copy_words(src, dst, num_words, BLOCK: tl.constexpr):
-    """dst[0:num_words] = src[0:num_words] (pointers of one element type)."""
-    for start in range(0, num_words, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        mask = offs < num_words
-        tl.store(dst + offs, tl.load(src + offs, mask=mask), mask=mask)
+def flag_mask(mask, flag):
+    """`mask` where the run-time int `flag` is non-zero, else all False (built as a block: the
+    interpreter cannot mix a plain bool into a mask)."""
+    return mask & ((mask.to(tl.int32) * 0 + flag) != 0)
+
+
+@triton.jit
+def word_ptrs(addr, VEC: tl.constexpr):
+    """int64 byte addresses (a block of row starts) as int32 pointers, hinted 4*VEC-byte aligned
+    so that Triton emits VEC-word vector accesses."""
+    return tl.multiple_of(addr.to(tl.pointer_type(tl.int32)), 4 * VEC)
+
+
+@triton.jit
+def columns(offs, num, VEC: tl.constexpr):
+    """offs < num, for a `num` that VEC divides, written so that Triton sees the mask constant
+    over VEC neighbours and keeps vector accesses (`offs < num` alone makes them scalar when
+    num is a run-time value)."""
+    return (offs // VEC) < (num // VEC)
+
+
+@triton.jit
+def copy_rows(src, dst, rows_mask, num_words, VEC: tl.constexpr, BLOCK_W: tl.constexpr):
+    """dst[i][0:num_words] = src[i][0:num_words] for every row i of the block where
+    `rows_mask` (src, dst: int32 pointers to row starts; a tile of rows per step keeps many
+    loads in flight per program)."""
+    num_words = tl.multiple_of(num_words, VEC)
+    for start in range(0, num_words, BLOCK_W):
+        offs = start + tl.arange(0, BLOCK_W)
+        mask = rows_mask[:, None] & columns(offs, num_words, VEC)[None, :]
+        tl.store(dst[:, None] + offs[None, :], tl.load(src[:, None] + offs[None, :], mask=mask),
+                 mask=mask)
 
 
 # Parts of Triton's library (tl.sum, tl.cumsum, tl.zeros, ...) are @triton.jit functions decorated when
@@ -59,11 +72,34 @@ def _add(a, b):
 
 @triton.jit
 def total(x):
-    """Sum of a 1-D block."""
+    """Sum along axis 0 of a block."""
     return tl.reduce(x, 0, _add)
 
 
 @triton.jit
 def running_total(x):
-    """Inclusive prefix sum of a 1-D block."""
+    """Inclusive prefix sum along axis 0 of a block."""
     return tl.associative_scan(x, 0, _add)
+
+
+@triton.jit
+def exclusive_prefix(x, AXIS: tl.constexpr):
+    """Exclusive prefix sum along axis AXIS of a block."""
+    return tl.associative_scan(x, AXIS, _add) - x
+
+
+@triton.jit
+def sum_along(x, AXIS: tl.constexpr):
+    """Sum along axis AXIS of a block."""
+    return tl.reduce(x, AXIS, _add)
+
+
+@triton.jit
+def _max(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def max_along(x, AXIS: tl.constexpr):
+    """Maximum along axis AXIS of a block."""
+    return tl.reduce(x, AXIS, _max)

@@ -1,11 +1,35 @@
-"""Dispatch: push token records into peers' staging regions, then copy them out.
+"""Dispatch in two fused kernels: `send` on every source rank, then `receive` on every destination.
 
-Staging region of every heap: `[R, S]` records (S = the buffer's max tokens per rank), block s
-written only by sender s, record `s * S + pos` holding the `pos`-th token that s sends here.
-A record is int32 words (see `RecordLayout`): source token index, K global expert ids (-1 for
-none), K weights (fp32 bits), then the payload rows (bf16 x, or FP8 rows and their scales) as
-raw words. The receiver learns each block's length from the sender's flag, so no count
-exchange precedes the push.
+Heap memory they use (byte offsets passed in; see `epcomm.backends.symmetric`):
+- the dispatch counters `[ready R | free R | count R]` (int64, `kernels.sync`): ready[s] and
+  count[s] are written by source s, free[d] by destination d;
+- the staging region: `[R, S]` records (S = the buffer's max tokens per rank); block s is
+  written only by source s, record `s * S + p` holds the p-th token that s sends here. A record is
+  int32 words (`RecordLayout`): source token index, K global expert ids (-1 for no slot), K
+  weights (fp32 bits), then the payload rows (bf16 x, or FP8 rows and their scales) as raw words.
+
+`send` (P programs, the tokens split into P contiguous chunks):
+1. count the chunk's tokens per destination (a token goes once to every rank that one of its
+   valid slots maps to); ids outside [-1, E) set `errors.INVALID_EXPERT_ID`;
+2. grid barrier, then each chunk's first position per rank is the sum of the earlier chunks'
+   counts: positions follow token order, deterministic by construction;
+3. wait until every destination has released what this rank pushed the call before (free);
+4. write every record, loading each payload row once and storing it to each destination;
+5. program 0 stores the counts into the destinations' count slots; every program adds 1 to each
+   destination's ready counter (release), so a receiver waits for `call * P`.
+
+`receive` (P programs, the received rows split into P chunks):
+1. wait until every source's ready counter reaches `call * P`, read the counts;
+2. per compact row (source-major, then position): local ids, weights, source metadata and, in the
+   compact layout, the payload; a per-program histogram of local expert ids;
+3. grid barrier; each program's first expand row per expert = the expert's aligned start plus
+   the earlier programs' counts, so pairs land in (row, slot) order;
+4. expand rows of every pair into the metadata; in the expand layout the payload and weights go
+   to those rows; sync-free tails and alignment gaps get -1 / 0 (payload 0 with zero padding);
+5. every program adds 1 to each source's free counter (release: its reads are done).
+
+`full=0` stops `receive` after the per-expert counts (the sync mode sizes its outputs from them
+on the host, then runs `receive` again with `full=1`); that pass touches no counter of a peer.
 """
 from __future__ import annotations
 
@@ -16,9 +40,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import copy_words, i32_ptr, record_addr, running_total, total
+from .. import errors
+from .common import (columns, copy_rows, exclusive_prefix, flag_mask, i32_ptr, max_along,
+                     running_total, sum_along, total, word_ptrs)
+from .sync import add_counters, grid_barrier, own_counters, peer_counters, wait_counters
 
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
+
+# Slots of the backend's local int64 sync tensor: grid-barrier counters of each kernel. The
+# dispatch send barrier's counter is also the dispatch call number (counter // P).
+SYNC_SEND, SYNC_RECEIVE, SYNC_COUNT = 0, 1, 2
 
 
 def _align(n: int) -> int:
@@ -52,182 +83,512 @@ def payload_words(rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(row.shape[1] * row.element_size() // 4 for row in rows)
 
 
+@dataclass(frozen=True)
+class KernelShape:
+    """Compile-time shape of a buffer's kernels (fixed at construction, so warm-up compiles
+    every variant). vec: elements per vector access (it divides every row width); block_w:
+    elements per copy step; rows: rows per tile; programs: P, the grid of every launch."""
+
+    num_ranks: int
+    num_topk: int
+    vec: int
+    block_w: int
+    rows: int
+    programs: int
+    num_warps: int
+    use_timer: bool
+
+    def constants(self, width: str = "BLOCK_W") -> dict:
+        """Keyword arguments of a launch; `width` names the kernel's copy-step constant."""
+        return {"K": self.num_topk, "BLOCK_K": triton.next_power_of_2(self.num_topk),
+                "BLOCK_R": triton.next_power_of_2(self.num_ranks), "ROWS": self.rows,
+                "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
+                "num_warps": self.num_warps}
+
+
 def _fields(rows: Sequence[torch.Tensor], layout: RecordLayout):
-    """(tensor, words, offset) of payload 0 and 1; a missing payload 1 has 0 words."""
-    words, offsets = layout.payload_words, layout.offsets
-    first = (rows[0], words[0], offsets[0])
-    second = (rows[1], words[1], offsets[1]) if len(rows) > 1 else (rows[0], 0, 0)
+    """(words tensor, words, offset) of payload 0 and 1; a missing payload 1 has 0 words."""
+    words = [row.view(torch.int32) for row in rows]
+    sizes, offsets = layout.payload_words, layout.offsets
+    first = (words[0], sizes[0], offsets[0])
+    second = (words[1], sizes[1], offsets[1]) if len(words) > 1 else (words[0], 0, 0)
     return first + second
 
 
-def _block_words(layout: RecordLayout) -> int:
-    """Words per copy step, from H alone (bf16 rows: H/2 words, FP8 rows: H/4) so that bf16 and
-    FP8 dispatches share one compiled variant of each kernel."""
-    hidden_half = layout.payload_words[0] * (2 if len(layout.payload_words) > 1 else 1)
-    return min(triton.next_power_of_2(hidden_half), 2048)
-
-
-@triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "stride_tokens",
-                               "num_tokens", "has_w", "w0", "off0", "w1", "off1", "record_words"])
-def push_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, num_tokens,
-                send_pos_ptr, ids_ptr, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr, w1, off1,
-                record_words, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_W: tl.constexpr):
+@triton.jit
+def _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr, K: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """For tokens tt: (global ids [T, BK] (-1 for no slot), destination rank of each slot (-1),
+    sent [T, BR] (1 where the token goes to rank rr), some id outside [-1, E))."""
     kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    for t in range(tl.program_id(0), num_tokens, tl.num_programs(0)):
-        t64 = tl.cast(t, tl.int64)
-        ids = tl.load(ids_ptr + t64 * K + kk, mask=kmask)
-        for p in range(num_ranks):
-            pos = tl.load(send_pos_ptr + t64 * num_ranks + p)
-            if pos >= 0:
-                rec = i32_ptr(record_addr(bases_ptr, p, region_offset,
-                                          pos + rank * stride_tokens, record_words))
-                tl.store(rec, t)
-                tl.store(rec + 1 + kk, ids, mask=kmask)
-                if has_w != 0:
-                    tl.store(rec + 1 + K + kk, tl.load(weights_ptr + t64 * K + kk, mask=kmask),
-                             mask=kmask)
-                copy_words(p0_ptr + t64 * w0, rec + off0, w0, BLOCK_W)
-                copy_words(p1_ptr + t64 * w1, rec + off1, w1, BLOCK_W)
-
-
-def push(bases, region_offset: int, rank: int, stride_tokens: int, send_pos, expert_ids,
-         weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor], layout: RecordLayout,
-         num_programs: int) -> None:
-    """Write record `rank * stride_tokens + send_pos[t, p]` of rank p's staging region (at byte
-    `region_offset` of its heap) for every token t and rank p with `send_pos[t, p] >= 0`.
-
-    expert_ids: [T, K] int32 global ids, -1 for none; weights: [T, K] fp32 or None;
-    rows: payload tensors [T, *] (sizes in bytes multiples of 4).
-
-    Example: two heaps a, b (int32 [48]), rank 0, stride 2, K 2, x = bf16 [[1, 2], [3, 4]]
-    (one word per row; layout header 5 words, payload at word 8, records of 12 words),
-    send_pos = [[0, 0], [1, -1]], expert_ids = [[0, 3], [1, -1]], no weights:
-        a[0:12] = [0 | 0 3 | . . | . . . | x[0]], a[12:24] = [1 | 1 -1 | ... | x[1]],
-        b[0:12] = [0 | 0 3 | ... | x[0]]; nothing else changes.
-    """
-    num_tokens, num_topk = expert_ids.shape
-    words = [row.view(torch.int32) for row in rows]
-    push_kernel[(max(1, min(num_programs, num_tokens)),)](
-        bases, region_offset, rank, bases.numel(), stride_tokens, num_tokens, send_pos,
-        expert_ids, expert_ids if weights is None else weights.view(torch.int32),
-        int(weights is not None), *_fields(words, layout), layout.words, K=num_topk,
-        BLOCK_K=triton.next_power_of_2(num_topk), BLOCK_W=_block_words(layout))
+    mask = tmask[:, None] & (kk < K)[None, :]
+    ids = tl.load(idx_ptr + tt.to(tl.int64)[:, None] * K + kk[None, :], mask=mask,
+                  other=-1).to(tl.int64)
+    valid = (ids >= 0) & (ids < num_experts)
+    bad = total(total(((ids < -1) | (ids >= num_experts)).to(tl.int32)))
+    dest = tl.where(valid, ids // (num_experts // num_ranks), -1)
+    hit = (dest[:, :, None] == rr[None, None, :]).to(tl.int32)
+    return tl.where(valid, ids, -1), dest, max_along(hit, 1), bad
 
 
 @triton.jit
-def _row_source(counts_ptr, num_ranks, row, BLOCK_R: tl.constexpr):
-    """(source rank, index within its block) of compact row `row`."""
-    r = tl.arange(0, BLOCK_R)
-    counts = tl.load(counts_ptr + r, mask=r < num_ranks, other=0)
-    source = total((running_total(counts) <= row).to(tl.int32))
-    return source, row - total(tl.where(r < source, counts, 0))
+def _record_rows(bases_ptr, peer, region_offset, slots, record_words):
+    """int64 addresses of records `slots` of the region at `region_offset` of `peer`'s heap."""
+    return tl.load(bases_ptr + peer) + region_offset + slots.to(tl.int64) * record_words * 4
 
 
 @triton.jit
-def _received(counts_ptr, num_ranks, BLOCK_R: tl.constexpr):
-    r = tl.arange(0, BLOCK_R)
-    return total(tl.load(counts_ptr + r, mask=r < num_ranks, other=0))
+def _push_field(src, num_words, field_offset, bases_ptr, region_offset, first_slot,
+                record_words, pos_ptr, tt, tmask, num_ranks, VEC: tl.constexpr,
+                BLOCK_W: tl.constexpr):
+    """Each row src[i] (int32 pointers) once from memory, stored into the record of every rank
+    d with pos[tt[i], d] >= 0 (record first_slot + pos of d's region), at word field_offset."""
+    num_words = tl.multiple_of(num_words, VEC)
+    for start in range(0, num_words, BLOCK_W):
+        offs = start + tl.arange(0, BLOCK_W)
+        wmask = columns(offs, num_words, VEC)
+        value = tl.load(src[:, None] + offs[None, :], mask=tmask[:, None] & wmask[None, :])
+        for d in range(num_ranks):
+            pos = tl.load(pos_ptr + tt.to(tl.int64) * num_ranks + d, mask=tmask, other=-1)
+            rec = _record_rows(bases_ptr, d, region_offset, first_slot + pos, record_words)
+            dst = word_ptrs(rec + field_offset * 4, VEC)
+            tl.store(dst[:, None] + offs[None, :], value,
+                     mask=(tmask & (pos >= 0))[:, None] & wmask[None, :])
 
 
-@triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "stride_tokens",
-                               "max_tokens", "experts_per_rank", "record_words", "has_w",
-                               "copy_payload", "w0", "off0", "w1", "off1"])
-def compact_kernel(bases_ptr, region_offset, rank, num_ranks, stride_tokens, max_tokens,
-                   experts_per_rank, counts_ptr, record_words, idx_out, w_out, has_w, src_out,
-                   stage_out, copy_payload, p0_out, w0, off0, p1_out, w1, off1,
-                   K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_W: tl.constexpr):
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
+    "num_tokens", "num_experts", "copy_idx", "has_w", "w0", "off0", "w1", "off1", "timeout"])
+def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr, num_tokens,
+                num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
+                w1, off1, slot_out, error_ptr, timeout, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                BLOCK_R: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
+                BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
-    num_rows = _received(counts_ptr, num_ranks, BLOCK_R)
-    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        source, index = _row_source(counts_ptr, num_ranks, row, BLOCK_R)
-        slot = source * stride_tokens + index
-        rec = i32_ptr(record_addr(bases_ptr, rank, region_offset, slot, record_words))
-        row64 = tl.cast(row, tl.int64)
-        ids = tl.load(rec + 1 + kk, mask=kmask, other=-1)
-        here = (ids >= 0) & (ids >= rank * experts_per_rank) \
-            & (ids < (rank + 1) * experts_per_rank)
-        tl.store(idx_out + row64 * K + kk, tl.where(here, ids - rank * experts_per_rank, -1),
-                 mask=kmask)
-        if has_w != 0:
-            tl.store(w_out + row64 * K + kk, tl.load(rec + 1 + K + kk, mask=kmask), mask=kmask)
-        tl.store(src_out + row64, source * max_tokens + tl.load(rec))
-        tl.store(stage_out + row64, slot)
-        if copy_payload != 0:
-            copy_words(rec + off0, p0_out + row64 * w0, w0, BLOCK_W)
-            copy_words(rec + off1, p1_out + row64 * w1, w1, BLOCK_W)
+    chunk = (num_tokens + num_programs - 1) // num_programs
+    begin = pid * chunk
+    end = tl.minimum(begin + chunk, num_tokens)
+
+    # 1. Tokens of this chunk per destination.
+    sent_here = tl.full([BLOCK_R], 0, tl.int32)
+    bad = tl.full([], 0, tl.int32)
+    for t0 in range(begin, end, ROWS):
+        tt = t0 + tl.arange(0, ROWS)
+        ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tt < end, num_experts, num_ranks,
+                                                 rr, K, BLOCK_K)
+        sent_here += total(sent)
+        bad += bad_ids
+        if copy_idx != 0:
+            at = tt.to(tl.int64)[:, None] * K + kk[None, :]
+            mask = (tt < end)[:, None] & kmask[None, :]
+            tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=mask), mask=mask)
+    tl.store(counts_scratch + pid * BLOCK_R + rr, sent_here)
+    if bad > 0:
+        tl.atomic_or(error_ptr, 1)  # errors.INVALID_EXPERT_ID
+    call = grid_barrier(sync_ptr + 0, error_ptr, 4, timeout, USE_TIMER)  # DISPATCH_TIMEOUT
+
+    # 2. This chunk's first position per destination, and every destination's total.
+    before = tl.full([BLOCK_R], 0, tl.int32)
+    sent_total = tl.full([BLOCK_R], 0, tl.int32)
+    for p0 in range(0, num_programs, 16):
+        pp = p0 + tl.arange(0, 16)
+        counts = tl.load(counts_scratch + pp[:, None] * BLOCK_R + rr[None, :],
+                         mask=(pp < num_programs)[:, None], other=0, cache_modifier=".cg")
+        before += total(tl.where((pp < pid)[:, None], counts, 0))
+        sent_total += total(counts)
+
+    # 3. Every destination has copied out what this rank pushed the call before.
+    if not wait_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
+                         (call - 1) * num_programs, timeout, USE_TIMER):
+        tl.atomic_or(error_ptr, 4)
+    tl.debug_barrier()
+
+    # 4. Positions (to the scratch and, as record numbers at their rank, to slot_out), records.
+    running = before
+    for t0 in range(begin, end, ROWS):
+        tt = t0 + tl.arange(0, ROWS)
+        tmask = tt < end
+        t64 = tt.to(tl.int64)
+        ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
+                                                 K, BLOCK_K)
+        pos = tl.where(sent > 0, running[None, :] + exclusive_prefix(sent, 0), -1)
+        running += total(sent)
+        tl.store(pos_scratch + t64[:, None] * num_ranks + rr[None, :], pos,
+                 mask=tmask[:, None] & rmask[None, :])
+        picked = sum_along(tl.where(dest[:, :, None] == rr[None, None, :], pos[:, None, :], 0), 2)
+        tl.store(slot_out + t64[:, None] * K + kk[None, :],
+                 tl.where(dest >= 0, dest * stride_tokens + picked, -1).to(tl.int32),
+                 mask=tmask[:, None] & kmask[None, :])
+    tl.debug_barrier()
+    first_slot = rank * stride_tokens
+    for t0 in range(begin, end, ROWS):
+        tt = t0 + tl.arange(0, ROWS)
+        tmask = tt < end
+        t64 = tt.to(tl.int64)
+        ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
+                                                 K, BLOCK_K)
+        weights = tl.load(weights_ptr + t64[:, None] * K + kk[None, :],
+                          mask=flag_mask(tmask[:, None] & kmask[None, :], has_w), other=0)
+        for d in range(num_ranks):
+            pos = tl.load(pos_scratch + t64 * num_ranks + d, mask=tmask, other=-1)
+            live = tmask & (pos >= 0)
+            rec = i32_ptr(_record_rows(bases_ptr, d, region_offset, first_slot + pos,
+                                       record_words))
+            tl.store(rec, tt, mask=live)
+            hmask = live[:, None] & kmask[None, :]
+            tl.store(rec[:, None] + 1 + kk[None, :], ids.to(tl.int32), mask=hmask)
+            tl.store(rec[:, None] + 1 + K + kk[None, :], weights, mask=flag_mask(hmask, has_w))
+        _push_field(word_ptrs(p0_ptr + tl.multiple_of(t64 * w0, VEC), VEC), w0, off0, bases_ptr,
+                    region_offset, first_slot, record_words, pos_scratch, tt, tmask, num_ranks,
+                    VEC, BLOCK_W)
+        _push_field(word_ptrs(p1_ptr + tl.multiple_of(t64 * w1, VEC), VEC), w1, off1, bases_ptr,
+                    region_offset, first_slot, record_words, pos_scratch, tt, tmask, num_ranks,
+                    VEC, BLOCK_W)
+
+    # 5. Counts, then this program's share of every destination's ready counter.
+    tl.debug_barrier()
+    if pid == 0:
+        tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
+                 sent_total.to(tl.int64), mask=rmask)
+    add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
 
 
-def _grid(num_programs: int) -> tuple[int]:
-    return (max(1, num_programs),)
 
 
-def compact(bases, region_offset: int, rank: int, stride_tokens: int, max_tokens: int,
-            experts_per_rank: int, counts, layout: RecordLayout, local_idx, weights_out,
-            src_out, stage_out, rows_out: Optional[Sequence[torch.Tensor]],
-            num_programs: int) -> None:
-    """Copy the `counts[s]` records of each block s of this rank's staging region into compact
-    rows (source-major, then position), writing for row n: `local_idx[n]` (ids of this rank's
-    experts minus `rank * experts_per_rank`, else -1), `weights_out[n]` (if given),
-    `src_out[n] = s * max_tokens + token`, `stage_out[n] = s * stride_tokens + position`, and,
-    with `rows_out`, the payload rows. Rows at or past `sum(counts)` are not touched.
-
-    Example: rank 1 of 2, experts_per_rank 2, stride 2, max_tokens 2, counts = [1, 1], records
-    [0 | 0 3 | ...] at slot 0 (from rank 0) and [1 | 2 -1 | ...] at slot 2 (from rank 1):
-        local_idx = [[-1, 1], [0, -1]], src_out = [0, 3], stage_out = [0, 2].
-    """
-    words = None if rows_out is None else [row.view(torch.int32) for row in rows_out]
-    num_topk = local_idx.shape[1]
-    compact_kernel[_grid(num_programs)](
-        bases, region_offset, rank, bases.numel(), stride_tokens, max_tokens, experts_per_rank,
-        counts, layout.words, local_idx,
-        src_out if weights_out is None else weights_out.view(torch.int32), int(weights_out is not None), src_out, stage_out, int(words is not None),
-        *_fields(words or [src_out.view(torch.int32).view(-1, 1)], layout), K=num_topk,
-        BLOCK_R=triton.next_power_of_2(bases.numel()), BLOCK_K=triton.next_power_of_2(num_topk),
-        BLOCK_W=_block_words(layout))
+@triton.jit
+def _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words, rows, psum,
+                 counts, rr):
+    """(source rank, int64 record address) of compact rows `rows`, from the per-source counts
+    and their inclusive prefix `psum` (rows are source-major)."""
+    source = sum_along((psum[None, :] <= rows[:, None]).to(tl.int32), 1)
+    first = sum_along(tl.where(rr[None, :] == source[:, None], (psum - counts)[None, :], 0), 1)
+    slots = source * stride_tokens + rows - first
+    return source, _record_rows(bases_ptr, rank, region_offset, slots, record_words)
 
 
-@triton.jit(do_not_specialize=["region_offset", "rank", "num_ranks", "record_words", "has_w",
-                               "w0", "off0", "w1", "off1"])
-def expand_kernel(bases_ptr, region_offset, rank, num_ranks, counts_ptr, record_words,
-                  stage_ptr, meta_ptr, w_out, has_w, p0_out, w0, off0, p1_out, w1, off1,
-                  K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                  BLOCK_W: tl.constexpr):
+@triton.jit
+def _local_keys(rec, nmask, rank, num_local, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Local expert id (-1: none) of every slot of records `rec` (int64 addresses)."""
     kk = tl.arange(0, BLOCK_K)
-    kmask = kk < K
-    num_rows = _received(counts_ptr, num_ranks, BLOCK_R)
-    for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-        row64 = tl.cast(row, tl.int64)
-        rec = i32_ptr(record_addr(bases_ptr, rank, region_offset, tl.load(stage_ptr + row64),
-                                  record_words))
-        targets = tl.load(meta_ptr + row64 * (K + 2) + 2 + kk, mask=kmask, other=-1).to(tl.int64)
-        if has_w != 0:
-            tl.store(w_out + targets, tl.load(rec + 1 + K + kk, mask=kmask),
-                     mask=kmask & (targets >= 0))
+    ids = tl.load(i32_ptr(rec)[:, None] + 1 + kk[None, :],
+                  mask=nmask[:, None] & (kk < K)[None, :], other=-1)
+    first = rank * num_local
+    return tl.where((ids >= first) & (ids < first + num_local), ids - first, -1)
+
+
+@triton.jit
+def _expand_field(src, num_words, out_ptr, meta_rows, nmask, K: tl.constexpr,
+                  VEC: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Each row src[i] once from memory, stored to out row `meta_rows[i][2 + j]` for every
+    slot j that has one (>= 0)."""
+    num_words = tl.multiple_of(num_words, VEC)
+    for start in range(0, num_words, BLOCK_W):
+        offs = start + tl.arange(0, BLOCK_W)
+        wmask = columns(offs, num_words, VEC)
+        value = tl.load(src[:, None] + offs[None, :], mask=nmask[:, None] & wmask[None, :])
         for j in tl.static_range(K):
-            target = tl.load(meta_ptr + row64 * (K + 2) + 2 + j).to(tl.int64)
-            if target >= 0:
-                copy_words(rec + off0, p0_out + target * w0, w0, BLOCK_W)
-                copy_words(rec + off1, p1_out + target * w1, w1, BLOCK_W)
+            target = tl.load(meta_rows + 2 + j, mask=nmask, other=-1).to(tl.int64)
+            dst = out_ptr + tl.multiple_of(target * num_words, VEC)
+            tl.store(dst[:, None] + offs[None, :], value,
+                     mask=(nmask & (target >= 0))[:, None] & wmask[None, :])
 
 
-def expand(bases, region_offset: int, rank: int, counts, layout: RecordLayout, stage_rows,
-           metadata, weights_out: Optional[torch.Tensor], rows_out: Sequence[torch.Tensor],
-           num_programs: int) -> None:
-    """For each compact row n < sum(counts) and slot j with `metadata[n, 2 + j] = e >= 0`, copy
-    the payload of staging record `stage_rows[n]` to row e of `rows_out` and its weight j to
-    `weights_out[e]`. Other output rows are not touched.
+@triton.jit
+def _zero_rows(out_ptr, begin, end, num_words, VEC: tl.constexpr, ROWS: tl.constexpr,
+               BLOCK_W: tl.constexpr):
+    """out rows [begin, end) (int32 words) = 0."""
+    for r0 in range(begin, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        dst = out_ptr + tl.multiple_of(rows.to(tl.int64) * num_words, VEC)
+        for start in range(0, num_words, BLOCK_W):
+            offs = start + tl.arange(0, BLOCK_W)
+            tl.store(dst[:, None] + offs[None, :], tl.full([ROWS, BLOCK_W], 0, tl.int32),
+                     mask=(rows < end)[:, None] & columns(offs, num_words, VEC)[None, :])
 
-    Example: K 2, stage_rows = [2], metadata = [[0, 1, 3, 0]], record 2 = [0 | 1 0 | 0.5 0.25 |
-    ... | x]: rows_out[3] = rows_out[0] = x, weights_out[3] = 0.5, weights_out[0] = 0.25.
+
+@triton.jit
+def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_padding, p0_out, w0,
+                p1_out, w1, K: tl.constexpr, BLOCK_M: tl.constexpr, VEC: tl.constexpr,
+                ROWS: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Compact rows [begin, end) past the received prefix: metadata and (compact) ids -1,
+    (compact) weights 0, payload 0 with zero padding."""
+    mm = tl.arange(0, BLOCK_M)
+    for r0 in range(begin, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        n64 = rows.to(tl.int64)
+        nmask = rows < end
+        tl.store(meta_out + n64[:, None] * (K + 2) + mm[None, :],
+                 tl.full([ROWS, BLOCK_M], -1, tl.int32), mask=nmask[:, None] & (mm < K + 2)[None, :])
+        kmask = flag_mask(nmask[:, None] & (mm < K)[None, :], expand == 0)
+        tl.store(idx_out + n64[:, None] * K + mm[None, :],
+                 tl.full([ROWS, BLOCK_M], -1, tl.int32).to(idx_out.dtype.element_ty), mask=kmask)
+        tl.store(w_out + n64[:, None] * K + mm[None, :], tl.full([ROWS, BLOCK_M], 0, tl.int32),
+                 mask=flag_mask(kmask, has_w))
+    if (expand == 0) & (zero_padding != 0):
+        _zero_rows(p0_out, begin, end, w0, VEC, ROWS, BLOCK_W)
+        _zero_rows(p1_out, begin, end, w1, VEC, ROWS, BLOCK_W)
+
+
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
+    "barrier_slot", "max_tokens", "num_local", "alignment", "capacity", "out_rows", "full",
+    "expand", "zero_padding", "tail", "has_w", "w0", "off0", "w1", "off1", "timeout"])
+def receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                   record_words, sync_ptr, barrier_slot, hist_ptr, gap_ptr, max_tokens,
+                   num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
+                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
+                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
+                   VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < num_ranks
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < K
+    ee = tl.arange(0, BLOCK_E)
+
+    # 1. Every source's records of this call have arrived; their counts.
+    call = tl.load(sync_ptr + 0) // num_programs  # the send barrier: P per call
+    ready = own_counters(bases_ptr, rank, flags_offset, rr)
+    if not wait_counters(ready, rmask, call * num_programs, timeout, USE_TIMER):
+        tl.atomic_or(error_ptr, 4)  # errors.DISPATCH_TIMEOUT; late sources count as empty
+    tl.debug_barrier()
+    arrived = tl.atomic_add(ready, 0, mask=rmask, sem="acquire", scope="sys") \
+        >= call * num_programs
+    counts = tl.load(own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr),
+                     mask=rmask & arrived, other=0, volatile=True).to(tl.int32)
+    psum = running_total(counts)
+    num_rows = total(counts)
+    if pid == 0:
+        tl.store(rank_psum_out + rr, psum, mask=rmask)
+    chunk = (num_rows + num_programs - 1) // num_programs
+    begin = pid * chunk
+    end = tl.minimum(begin + chunk, num_rows)
+
+    # 2. Per compact row: ids, weights, source metadata, compact payload; this program's pairs
+    # per local expert into its own histogram row (zeroed first).
+    hist_row = hist_ptr + pid * num_local
+    next_rows = hist_ptr + (num_programs + pid) * num_local  # filled in step 3
+    for e0 in range(0, num_local, BLOCK_E):
+        tl.store(hist_row + e0 + ee, tl.full([BLOCK_E], 0, tl.int32), mask=e0 + ee < num_local)
+    tl.debug_barrier()
+    for r0 in range(begin, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        nmask = rows < end
+        n64 = rows.to(tl.int64)
+        source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
+                                   rows, psum, counts, rr)
+        keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
+        tl.atomic_add(hist_row + keys, 1, mask=keys >= 0, sem="relaxed", scope="gpu")
+        if full != 0:
+            hmask = nmask[:, None] & kmask[None, :]
+            meta = meta_out + n64 * (K + 2)
+            tl.store(meta, source * max_tokens + tl.load(i32_ptr(rec), mask=nmask), mask=nmask)
+            tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
+            tl.store(meta[:, None] + 2 + kk[None, :], tl.full([ROWS, BLOCK_K], -1, tl.int32),
+                     mask=hmask & (keys < 0))
+            if expand == 0:
+                tl.store(idx_out + n64[:, None] * K + kk[None, :],
+                         keys.to(idx_out.dtype.element_ty), mask=hmask)
+                tl.store(w_out + n64[:, None] * K + kk[None, :],
+                         tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :], mask=hmask),
+                         mask=flag_mask(hmask, has_w))
+                copy_rows(word_ptrs(rec + off0 * 4, VEC),
+                          word_ptrs(p0_out + tl.multiple_of(n64 * w0, VEC), VEC), nmask, w0,
+                          VEC, BLOCK_W)
+                copy_rows(word_ptrs(rec + off1 * 4, VEC),
+                          word_ptrs(p1_out + tl.multiple_of(n64 * w1, VEC), VEC), nmask, w1,
+                          VEC, BLOCK_W)
+    grid_barrier(sync_ptr + barrier_slot, error_ptr, 4, timeout, USE_TIMER)
+
+    # 3. Per-expert totals (BLOCK_E experts at a time, so E_l never recompiles) and this
+    # program's first expand row per expert; alignment gaps of the experts e % P == pid.
+    carry = tl.full([], 0, tl.int32)
+    for e0 in range(0, num_local, BLOCK_E):
+        emask = e0 + ee < num_local
+        before = tl.full([BLOCK_E], 0, tl.int32)
+        pairs = tl.full([BLOCK_E], 0, tl.int32)
+        for p0 in range(0, num_programs, 16):
+            pp = p0 + tl.arange(0, 16)
+            hist = tl.load(hist_ptr + pp[:, None] * num_local + e0 + ee[None, :],
+                           mask=(pp < num_programs)[:, None] & emask[None, :], other=0,
+                           cache_modifier=".cg")
+            before += total(tl.where((pp < pid)[:, None], hist, 0))
+            pairs += total(hist)
+        aligned = (pairs + alignment - 1) // alignment * alignment
+        inclusive = carry + running_total(aligned)
+        starts = inclusive - aligned
+        carry += total(aligned)
+        if pid == 0:
+            tl.store(expert_count_out + e0 + ee, pairs, mask=emask)
+            tl.store(expert_psum_out + e0 + ee, tl.where(expand != 0, starts + pairs, inclusive),
+                     mask=emask)
+        if full != 0:
+            tl.store(next_rows + e0 + ee, starts + before, mask=emask)
+            if expand != 0:
+                # Weights 0 and, with zero padding, payload 0 in the gaps; walked one expert at
+                # a time through a private scratch row.
+                gaps = gap_ptr + pid * 2 * BLOCK_E
+                tl.store(gaps + ee, starts + pairs)
+                tl.store(gaps + BLOCK_E + ee,
+                         tl.where(emask & ((e0 + ee) % num_programs == pid), aligned - pairs, 0))
+                tl.debug_barrier()
+                for i in range(0, BLOCK_E):
+                    gap_begin = tl.load(gaps + i)
+                    gap_end = gap_begin + tl.load(gaps + BLOCK_E + i)
+                    if has_w != 0:
+                        _zero_rows(w_out, gap_begin, gap_end, 1, 1, ROWS, 16)
+                    if zero_padding != 0:
+                        _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
+                        _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
+                tl.debug_barrier()
+
+    # 4. Expand row of every pair: the expert's next row, then the pair's rank among the
+    # tile's pairs of that expert in (row, slot) order; the next rows move past the tile.
+    overflow = tl.full([], 0, tl.int32)
+    if full != 0:
+        tl.debug_barrier()
+        pp = tl.arange(0, ROWS * BLOCK_K)
+        earlier = pp[None, :] < pp[:, None]
+        for r0 in range(begin, end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            nmask = rows < end
+            source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
+                                       record_words, rows, psum, counts, rr)
+            keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
+            flat = tl.reshape(keys, [ROWS * BLOCK_K])
+            rank_in_tile = sum_along((earlier & (flat[None, :] == flat[:, None])
+                                      & (flat[None, :] >= 0)).to(tl.int32), 1)
+            first = tl.load(next_rows + flat, mask=flat >= 0, other=0, cache_modifier=".cg")
+            target = tl.reshape(first + rank_in_tile, [ROWS, BLOCK_K])
+            tl.debug_barrier()  # every pair read its expert's next row before any moves on
+            tl.atomic_add(next_rows + keys, 1, mask=keys >= 0, sem="relaxed", scope="gpu")
+            fits = target < capacity
+            overflow += total(total(((keys >= 0) & ~fits).to(tl.int32)))
+            tl.store(meta_out + rows.to(tl.int64)[:, None] * (K + 2) + 2 + kk[None, :],
+                     tl.where(fits, target, -1), mask=keys >= 0)
+            tl.debug_barrier()
+    if overflow > 0:
+        tl.atomic_or(error_ptr, 2)  # errors.EXPAND_OVERFLOW
+
+    if full != 0:
+        tl.debug_barrier()
+        if expand != 0:
+            for r0 in range(begin, end, ROWS):
+                rows = r0 + tl.arange(0, ROWS)
+                nmask = rows < end
+                source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
+                                           record_words, rows, psum, counts, rr)
+                meta = meta_out + rows.to(tl.int64) * (K + 2)
+                hmask = nmask[:, None] & kmask[None, :]
+                targets = tl.load(meta[:, None] + 2 + kk[None, :], mask=hmask, other=-1)
+                tl.store(w_out + targets, tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
+                                                  mask=hmask),
+                         mask=flag_mask(hmask & (targets >= 0), has_w))
+                _expand_field(word_ptrs(rec + off0 * 4, VEC), w0, p0_out, meta, nmask, K, VEC,
+                              BLOCK_W)
+                _expand_field(word_ptrs(rec + off1 * 4, VEC), w1, p1_out, meta, nmask, K, VEC,
+                              BLOCK_W)
+        if tail != 0:  # capacity-sized outputs: everything past the valid prefix
+            share = (out_rows - num_rows + num_programs - 1) // num_programs
+            tail_begin = num_rows + pid * share
+            _clear_rows(tail_begin, tl.minimum(tail_begin + share, out_rows), meta_out, idx_out,
+                        w_out, expand, has_w, zero_padding, p0_out, w0, p1_out, w1, K, BLOCK_M,
+                        VEC, ROWS, BLOCK_W)
+            if expand != 0:
+                share = (capacity - carry + num_programs - 1) // num_programs
+                tail_begin = carry + pid * share
+                tail_end = tl.minimum(tail_begin + share, capacity)
+                if has_w != 0:
+                    _zero_rows(w_out, tail_begin, tail_end, 1, 1, ROWS, 16)
+                if zero_padding != 0:
+                    _zero_rows(p0_out, tail_begin, tail_end, w0, VEC, ROWS, BLOCK_W)
+                    _zero_rows(p1_out, tail_begin, tail_end, w1, VEC, ROWS, BLOCK_W)
+        # 5. This program is done with the staging region.
+        add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask),
+                     rmask)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's heap memory as the kernels see it: `bases` (int64 [R], every heap's address
+    in this process), this rank, the byte offsets of the stage's counters and staging region,
+    and S, records per source block."""
+
+    bases: torch.Tensor
+    rank: int
+    flags_offset: int
+    region_offset: int
+    stride_tokens: int
+
+    def args(self) -> tuple:
+        return (self.bases, self.rank, self.bases.numel(), self.flags_offset, self.region_offset,
+                self.stride_tokens)
+
+
+def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, topk_idx,
+         num_experts: int, weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor],
+         layout: RecordLayout, slot_out, error, timeout: int,
+         idx_copy: Optional[torch.Tensor] = None) -> None:
+    """The source side of a dispatch (one launch of `shape.programs` programs).
+
+    topk_idx: [T, K] int32/int64 global expert ids; weights: [T, K] fp32 or None; rows: the
+    payload tensors [T, *]; slot_out: [T, K] int32, receives `d * S + p` for a slot whose rank d
+    gets the token as its p-th, -1 for an invalid slot; idx_copy (like topk_idx, or None)
+    receives a copy of topk_idx. counts_scratch: int32
+    [P * next_pow2(R)], pos_scratch: int32 [>= T * R]; sync: the int64 sync tensor; error: the
+    int32 error flag; timeout: `sync.timeout_units`.
+
+    Example (one rank, E 4, S 4, K 2, x = bf16 [[1, 2], [3, 4]] (one word per row; records of
+    12 words: header 5, payload at word 8), topk_idx = [[0, 3], [-1, -1]], no weights): record
+    0 of the heap = [0 | 0 3 | . . | . . . | x[0]], slot_out = [[0, 0], [-1, -1]], the ready
+    counter += P, count slot = 1.
     """
-    words = [row.view(torch.int32) for row in rows_out]
-    num_topk = metadata.shape[1] - 2
-    expand_kernel[_grid(num_programs)](
-        bases, region_offset, rank, bases.numel(), counts, layout.words, stage_rows, metadata,
-        stage_rows if weights_out is None else weights_out.view(torch.int32),
-        int(weights_out is not None), *_fields(words, layout), K=num_topk,
-        BLOCK_R=triton.next_power_of_2(bases.numel()), BLOCK_K=triton.next_power_of_2(num_topk),
-        BLOCK_W=_block_words(layout))
+    has_w = weights is not None
+    send_kernel[(shape.programs,)](
+        *stage.args(), layout.words, sync, counts_scratch, pos_scratch, topk_idx,
+        topk_idx.shape[0], num_experts, topk_idx if idx_copy is None else idx_copy,
+        int(idx_copy is not None), weights.view(torch.int32) if has_w else topk_idx,
+        int(has_w), *_fields(rows, layout), slot_out, error, timeout, **shape.constants())
+
+
+_BLOCK_E = 64  # experts per step of the receive-side histogram and scan
+
+
+def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, layout, *,
+            full: bool, max_tokens: int, num_local: int, alignment: int, capacity: int,
+            out_rows: int, expand: bool, zero_padding: bool, tail: bool, idx_out, weights_out,
+            metadata, rank_psum, expert_counts, expert_psum, rows_out, error,
+            timeout: int) -> None:
+    """The destination side of a dispatch (one launch of `shape.programs` programs).
+
+    Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
+    (int32); with `full`, metadata [out_rows, K + 2] int32, idx_out [out_rows, K] (compact),
+    weights_out (compact [out_rows, K], expand [capacity] fp32, or None) and rows_out (the
+    payload tensors: out_rows (compact) or capacity (expand) rows). `capacity`: expand rows that
+    exist (pairs past it are dropped and flagged). `tail`: rows past the received prefix get
+    -1 / 0 (sync-free outputs). hist_scratch: int32 [P * E_l]; gap_scratch: int32 [P * 128].
+
+    Example (one rank, E_l 4, alignment 2, compact, after the `send` example): rank_psum = [1],
+    expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4], idx_out = [[0, 3]],
+    metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
+    """
+    idx_dummy = metadata if idx_out is None else idx_out
+    w_dummy = metadata if weights_out is None else weights_out.view(torch.int32)
+    payload = rows_out if rows_out else [metadata]
+    receive_kernel[(shape.programs,)](
+        *stage.args(), layout.words, sync, SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch,
+        gap_scratch, max_tokens, num_local, alignment, capacity, out_rows, int(full),
+        int(expand), int(zero_padding), int(tail), idx_dummy, w_dummy,
+        int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
+        *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,))), error,
+        timeout, BLOCK_M=triton.next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E,
+        **shape.constants())

@@ -1,27 +1,21 @@
-"""Epoch-tagged flags between ranks: `signal` and `wait`.
+"""Device-side synchronization shared by the fused kernels: counters, a grid barrier, timeouts.
 
-A flag is an int64 `epoch << 32 | count` in a flag array `[R]` (one slot per writing rank) at a
-fixed byte offset of every heap. Epochs only grow (one per call of a stage, counted on the
-device so CUDA graphs can replay calls), so a waiter compares with `>=` and never needs a reset.
+Every flag is a monotone int64 *counter* that is never reset: each of the P programs of a
+kernel adds 1 to it once per call of a stage, so after call n of that stage it holds n * P and a
+waiter compares with `>=`. Counters in a heap are written by peers (system scope, release) and
+polled by the owner (acquire); the grid-barrier counters live in a local tensor (GPU scope).
+
+All spins are bounded: past `timeout` (nanoseconds of %globaltimer on the GPU, spins under the
+interpreter, which has no clock) they give up and return False; the caller ORs its stage's
+timeout bit into the device error flag, so a missing peer never hangs a stream.
+
+A grid barrier needs every program of the launch resident at once; the launchers keep P at or
+under the SM count (GPU) and at 1 under the interpreter, which runs programs one after another.
 """
 import triton
 import triton.language as tl
 
-from .. import errors
-from . import INTERPRET
 from .common import total
-
-@triton.jit(do_not_specialize=["flag_offset", "slot", "num_ranks"])
-def signal_kernel(bases_ptr, flag_offset, slot, num_ranks, epoch_ptr, counts_ptr,
-                  HAS_COUNTS: tl.constexpr, BLOCK_R: tl.constexpr):
-    r = tl.arange(0, BLOCK_R)
-    mask = r < num_ranks
-    base = tl.load(bases_ptr + r, mask=mask, other=0)
-    value = tl.load(epoch_ptr) << 32
-    if HAS_COUNTS:
-        value = value + tl.load(counts_ptr + r, mask=mask, other=0)
-    flag = (base + flag_offset + slot * 8).to(tl.pointer_type(tl.int64))
-    tl.atomic_xchg(flag, value, mask=mask, sem="release", scope="sys")
 
 
 @triton.jit
@@ -30,72 +24,63 @@ def _globaltimer():
                                      is_pure=False, pack=1)
 
 
-@triton.jit(do_not_specialize=["rank", "flag_offset", "num_ranks", "lag", "timeout", "error_bit"])
-def wait_kernel(bases_ptr, rank, flag_offset, num_ranks, epoch_ptr, lag, counts_ptr, error_ptr,
-                timeout, error_bit, BUMP: tl.constexpr, HAS_COUNTS: tl.constexpr, USE_TIMER: tl.constexpr,
-                BLOCK_R: tl.constexpr):
-    epoch = tl.load(epoch_ptr)
-    if BUMP:
-        epoch += 1
-        tl.store(epoch_ptr, epoch)
-    target = epoch - lag
-    r = tl.arange(0, BLOCK_R)
-    mask = r < num_ranks
-    flag = (tl.load(bases_ptr + rank) + flag_offset + r * 8).to(tl.pointer_type(tl.int64))
-    value = tl.atomic_add(flag, 0, mask=mask, sem="acquire", scope="sys")
-    arrived = ((value >> 32) >= target) | ~mask
-    waiting = total((~arrived).to(tl.int32))
+@triton.jit
+def wait_counters(ptrs, mask, target, timeout, USE_TIMER: tl.constexpr):
+    """Spin until every counter `ptrs[i]` (int64, where `mask`) is >= `target`; acquire loads
+    at system scope. Returns True if all arrived before `timeout`. The caller puts a
+    `tl.debug_barrier()` after it before other threads read what the counters guard."""
+    value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    waiting = total(((value < target) & mask).to(tl.int32))
     if USE_TIMER:
         start = _globaltimer()
     spent = tl.full([], 0, tl.int64)
     while (waiting > 0) & (spent < timeout):
-        value = tl.atomic_add(flag, 0, mask=mask, sem="acquire", scope="sys")
-        arrived = ((value >> 32) >= target) | ~mask
-        waiting = total((~arrived).to(tl.int32))
+        value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        waiting = total(((value < target) & mask).to(tl.int32))
         if USE_TIMER:
             spent = _globaltimer() - start
         else:
             spent += 1
-    if waiting > 0:
+    return waiting == 0
+
+
+@triton.jit
+def add_counters(ptrs, mask):
+    """Add 1 to every counter `ptrs[i]` (where `mask`), releasing at system scope everything
+    this program wrote or read before (the barrier first orders all its threads' accesses)."""
+    tl.debug_barrier()
+    tl.atomic_add(ptrs, 1, mask=mask, sem="release", scope="sys")
+
+
+@triton.jit
+def grid_barrier(counter_ptr, error_ptr, error_bit, timeout, USE_TIMER: tl.constexpr):
+    """All programs of the launch meet here; returns this call's number n >= 1 (the counter
+    reaches n * P when all arrived). What any program wrote before is visible after."""
+    tl.debug_barrier()
+    num_programs = tl.num_programs(0)
+    old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    call = old // num_programs + 1
+    one = tl.arange(0, 2) < 1  # a 1-element view: wait_counters works on blocks
+    if not wait_counters(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, timeout,
+                         USE_TIMER):
         tl.atomic_or(error_ptr, error_bit)
-    if HAS_COUNTS:
-        count = value - ((value >> 32) << 32)
-        tl.store(counts_ptr + r, tl.where(arrived, count, 0), mask=mask)
+    tl.debug_barrier()
+    return call
 
 
-def _block(num_ranks: int) -> int:
-    return triton.next_power_of_2(num_ranks)
+@triton.jit
+def peer_counters(bases_ptr, offset, slot, rr, rmask):
+    """Pointers to counter `slot` of the counter array at byte `offset` of each rank rr's heap."""
+    base = tl.load(bases_ptr + rr, mask=rmask, other=0)
+    return (base + offset + slot * 8).to(tl.pointer_type(tl.int64))
 
 
-def signal(bases, flag_offset: int, slot: int, epoch, counts=None) -> None:
-    """Release-store `epoch << 32 | counts[p]` (or `epoch << 32`) into flag `slot` of the flag
-    array at byte `flag_offset` of every rank p's heap (one program, all ranks at once).
-
-    Example (one process, two "heaps" a and b, both int64 [2]):
-        bases = [a.data_ptr(), b.data_ptr()], epoch = [3], counts = [5, 7], slot 1:
-        signal(bases, 0, 1, epoch, counts) -> a = [0, 3 << 32 | 5], b = [0, 3 << 32 | 7].
-    """
-    signal_kernel[(1,)](bases, flag_offset, slot, bases.numel(), epoch,
-                        bases if counts is None else counts, HAS_COUNTS=counts is not None,
-                        BLOCK_R=_block(bases.numel()))
+@triton.jit
+def own_counters(bases_ptr, rank, offset, rr):
+    """Pointers to counters rr of the counter array at byte `offset` of `rank`'s own heap."""
+    return (tl.load(bases_ptr + rank) + offset + rr * 8).to(tl.pointer_type(tl.int64))
 
 
-def wait(bases, rank: int, flag_offset: int, epoch, error, timeout_s: float, lag: int = 0,
-         bump: bool = False, counts=None, error_bit: int = errors.DISPATCH_TIMEOUT) -> None:
-    """Spin (acquire loads, system scope) until every flag of the array at byte `flag_offset`
-    of `rank`'s heap carries an epoch >= `epoch[0] - lag`; with `bump`, first `epoch[0] += 1`.
-    With `counts`, store each flag's count (0 for a flag that never arrived). After `timeout_s`
-    it ORs `error_bit` (the stage's timeout bit of `errors`) into `error[0]` and returns.
-
-    Example: two ranks; rank 0's heap a = int64 [0, 3 << 32 | 5, 2 << 32 | 7] (flags at byte 8),
-    epoch = [2], error = [0]:
-        wait([a.data_ptr(), b.data_ptr()], 0, 8, epoch, error, 0.01, bump=True, counts=c)
-        -> epoch = [3]; flag 1 (epoch 2) is late: error = [DISPATCH_TIMEOUT], c = [5, 0].
-    """
-    # The interpreter has no clock to read inside a kernel: bound it by spins (~50 us each).
-    timeout = int(timeout_s * 2e4) if INTERPRET else int(timeout_s * 1e9)
-    num_ranks = bases.numel()
-    wait_kernel[(1,)](bases, rank, flag_offset, num_ranks, epoch, lag,
-                      bases if counts is None else counts, error, timeout, error_bit, BUMP=bump,
-                      HAS_COUNTS=counts is not None, USE_TIMER=not INTERPRET,
-                      BLOCK_R=_block(num_ranks))
+def timeout_units(timeout_s: float, interpret: bool) -> int:
+    """`wait_counters`' bound: spins under the interpreter (~50 us each), else nanoseconds."""
+    return int(timeout_s * 2e4) if interpret else int(timeout_s * 1e9)
