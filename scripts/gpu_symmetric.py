@@ -268,8 +268,11 @@ def main():
     if args.no_bench:
         return
     rows, num_sms, heap = run_local_ranks(bench, 1, *shape, timeout_s=600)[0]
+    from epcomm.buffer import Buffer
+    dsv3 = Buffer.get_buffer_size_hint(8, 4096, 7168, 8)
     print(f"\nEP=1, {args.tokens} x {args.hidden} bf16, top-{args.topk}, {args.experts} experts, "
-          f"num_sms={num_sms}, heap {heap / 2**20:.0f} MiB per rank")
+          f"num_sms={num_sms}, heap {heap / 2**20:.0f} MiB per rank "
+          f"(DeepSeek-V3 EP8, 4096 tokens: {dsv3 / 2**20:.1f} MiB per rank)")
     print(f"| {'what':40} | {'GPU us':>9} | {'GB/s (x bytes)':>14} | {'of copy roofline':>16} | "
           f"{'launches':>8} | {'host us':>8} |")
     print(f"|{'-' * 42}|{'-' * 11}|{'-' * 16}|{'-' * 18}|{'-' * 10}|{'-' * 10}|")

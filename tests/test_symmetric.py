@@ -94,6 +94,7 @@ def _matrix(num_ranks):
                for name in ("collective", "symmetric")]
     # One program per launch under the interpreter (it runs programs one after another).
     assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 1
+    assert buffers[1]._impl.heap_bytes == Buffer.get_buffer_size_hint(num_ranks, M, H, K)
     uneven = [M, 0, 5][rank % 3]  # uneven T, one rank with none
     seed = 0
     for expand, sync, align, fp8, with_w in itertools.product(

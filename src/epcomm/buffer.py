@@ -23,9 +23,11 @@ _comm_streams: dict[int, "torch.cuda.Stream"] = {}
 FP8_BLOCK = 128
 
 
-def _require(ok: bool, message: str) -> None:
+def _require(ok: bool, message) -> None:
+    """Raise ValueError(message) unless ok; `message` may be a callable that builds it (so a
+    passing check costs no string formatting: calls are on the per-call host path)."""
     if not ok:
-        raise ValueError(message)
+        raise ValueError(message() if callable(message) else message)
 
 
 def _check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
@@ -34,9 +36,9 @@ def _check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
-    _require(tensor.dim() == ndim, f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    _require(tensor.dim() == ndim, lambda: f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
     _require(tensor.device == device,
-             f"{name} must be on {device} (the buffer's device), got {tensor.device}")
+             lambda: f"{name} must be on {device} (the buffer's device), got {tensor.device}")
 
 
 class Buffer:
@@ -66,9 +68,9 @@ class Buffer:
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
                             ("hidden", hidden), ("num_topk", num_topk)):
             _require(isinstance(value, int) and value > 0,
-                     f"{name} must be a positive int, got {value!r}")
+                     lambda: f"{name} must be a positive int, got {value!r}")
         _require(backend in ("auto", "collective", "symmetric"),
-                 f"backend must be 'auto', 'collective' or 'symmetric', got {backend!r}")
+                 lambda: f"backend must be 'auto', 'collective' or 'symmetric', got {backend!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -101,13 +103,12 @@ class Buffer:
     @staticmethod
     def get_buffer_size_hint(num_ranks: int, num_max_tokens_per_rank: int, hidden: int,
                              num_topk: int) -> int:
-        """Bytes of receive space one rank needs: a dispatch region of `R * M` records (bf16
-        row, FP8 scales, expert ids, weights, source index) and a combine region of `R * M`
-        bf16 rows with weights."""
-        rows = num_ranks * num_max_tokens_per_rank
-        dispatch_record = 2 * hidden + 4 * math.ceil(hidden / FP8_BLOCK) + 8 * num_topk + 4
-        combine_record = 2 * hidden + 4 * num_topk
-        return rows * (dispatch_record + combine_record)
+        """Bytes of the symmetric heap one rank allocates (and every peer maps): a dispatch
+        region of `R * M` records (a bf16 row or an FP8 row with its scales, expert ids,
+        weights, source index) and a combine region of `R * M` bf16 rows with weights, 16-byte
+        aligned, plus the counters. The collective backend allocates per call instead."""
+        from .backends.symmetric import heap_layout
+        return heap_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk)[-1]
 
     def get_comm_stream(self) -> Optional["torch.cuda.Stream"]:
         """The communication stream of this process's device (None for CPU buffers)."""
@@ -174,45 +175,45 @@ class Buffer:
             _check_tensor("x[1] (FP8 scales)", scales, (torch.float32, torch.int32), 2, dev)
             expect = (x_fp8.shape[0], math.ceil(x_fp8.shape[1] / FP8_BLOCK))
             _require(tuple(scales.shape) == expect,
-                     f"x[1] (FP8 scales) must have shape {expect}, got {tuple(scales.shape)}")
+                     lambda: f"x[1] (FP8 scales) must have shape {expect}, got {tuple(scales.shape)}")
             rows = [x_fp8, scales]
         else:
             _check_tensor("x", x, (torch.bfloat16,), 2, dev)
             rows = [x]
         num_tokens, hidden = rows[0].shape
-        _require(hidden == self.hidden, f"x must have hidden size {self.hidden}, got {hidden}")
+        _require(hidden == self.hidden, lambda: f"x must have hidden size {self.hidden}, got {hidden}")
         _require(num_tokens <= max_tokens,
-                 f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={max_tokens}")
+                 lambda: f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={max_tokens}")
         _require(isinstance(expert_alignment, int) and expert_alignment >= 1,
-                 f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+                 lambda: f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
         if previous_event is not None:
             _require(allocate_on_comm_stream,
                      "previous_event requires allocate_on_comm_stream=True")
         if handle is not None:
             self._validate_handle(handle, num_tokens)
             _require(num_experts is None or num_experts == handle.num_experts,
-                     f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
+                     lambda: f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
             _require(max_tokens == handle.num_max_tokens_per_rank,
-                     f"num_max_tokens_per_rank={max_tokens} differs from the handle's "
+                     lambda: f"num_max_tokens_per_rank={max_tokens} differs from the handle's "
                      f"{handle.num_max_tokens_per_rank}")
             topk_idx = handle.topk_idx
         else:
             _require(isinstance(num_experts, int) and num_experts > 0,
-                     f"num_experts must be a positive int, got {num_experts!r}")
+                     lambda: f"num_experts must be a positive int, got {num_experts!r}")
             _require(num_experts % self.num_ranks == 0,
-                     f"num_experts={num_experts} must be divisible by the group size {self.num_ranks}")
+                     lambda: f"num_experts={num_experts} must be divisible by the group size {self.num_ranks}")
             if topk_idx is None:
                 raise ValueError("topk_idx is required unless a handle is given")
             _check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, dev)
             _require(tuple(topk_idx.shape) == (num_tokens, self.num_topk),
-                     f"topk_idx must have shape {(num_tokens, self.num_topk)}, got {tuple(topk_idx.shape)}")
+                     lambda: f"topk_idx must have shape {(num_tokens, self.num_topk)}, got {tuple(topk_idx.shape)}")
             if dev.type == "cpu" or do_cpu_sync:
                 bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-                _require(not bool(bad), f"topk_idx holds expert ids outside [-1, {num_experts})")
+                _require(not bool(bad), lambda: f"topk_idx holds expert ids outside [-1, {num_experts})")
         if topk_weights is not None:
             _check_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)
             _require(tuple(topk_weights.shape) == tuple(topk_idx.shape),
-                     f"topk_weights must have shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
+                     lambda: f"topk_weights must have shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
         return rows, topk_idx, topk_weights
 
     def _validate_handle(self, handle, num_tokens: int) -> None:
@@ -221,7 +222,7 @@ class Buffer:
         _require(handle.buffer_id == self.buffer_id,
                  "handle was made by another Buffer; use the buffer that dispatched it")
         _require(handle.num_tokens == num_tokens,
-                 f"handle was made for {handle.num_tokens} tokens, this call has {num_tokens}")
+                 lambda: f"handle was made for {handle.num_tokens} tokens, this call has {num_tokens}")
 
     # -- stream control --------------------------------------------------------------------
     def _drain_pending(self, wait: bool = False) -> None:
@@ -245,11 +246,14 @@ class Buffer:
             comm.wait_event(previous_event.event)
         else:
             comm.wait_stream(compute)
-        alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute)
-        with torch.cuda.stream(comm):
+        alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute, comm)
+        torch.cuda.set_stream(comm)  # cheaper than `with torch.cuda.stream(comm)`
+        try:
             result = work(alloc)
             event = torch.cuda.Event()
             event.record(comm)
+        finally:
+            torch.cuda.set_stream(compute)
         used = [t for t in inputs if t is not None]
         outputs = alloc.allocated
         held = None
@@ -316,7 +320,7 @@ class Buffer:
         max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
             else num_max_tokens_per_rank
         _require(isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank,
-                 f"num_max_tokens_per_rank must be in [1, {self.num_max_tokens_per_rank}] "
+                 lambda: f"num_max_tokens_per_rank must be in [1, {self.num_max_tokens_per_rank}] "
                  f"(the buffer's), got {max_tokens!r}")
         rows, topk_idx, topk_weights = self._validate_dispatch(
             x, topk_idx, topk_weights, num_experts, max_tokens, expert_alignment, do_cpu_sync,
@@ -381,19 +385,19 @@ class Buffer:
         rows = handle.num_output_rows
         _check_tensor("x", x, (torch.bfloat16,), 2, self.device)
         _require(tuple(x.shape) == (rows, self.hidden),
-                 f"x must have shape {(rows, self.hidden)} (the dispatch output of handle), "
+                 lambda: f"x must have shape {(rows, self.hidden)} (the dispatch output of handle), "
                  f"got {tuple(x.shape)}")
         if topk_weights is not None:
             expect = (rows,) if handle.do_expand else (rows, self.num_topk)
             _check_tensor("topk_weights", topk_weights, (torch.float32,), len(expect), self.device)
             _require(tuple(topk_weights.shape) == expect,
-                     f"topk_weights must have shape {expect}, got {tuple(topk_weights.shape)}")
+                     lambda: f"topk_weights must have shape {expect}, got {tuple(topk_weights.shape)}")
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        _require(len(biases) <= 2, f"bias takes at most 2 tensors, got {len(biases)}")
+        _require(len(biases) <= 2, lambda: f"bias takes at most 2 tensors, got {len(biases)}")
         for index, tensor in enumerate(biases):
             _check_tensor(f"bias[{index}]", tensor, (torch.bfloat16,), 2, self.device)
             _require(tuple(tensor.shape) == (handle.num_tokens, self.hidden),
-                     f"bias[{index}] must have shape {(handle.num_tokens, self.hidden)}, "
+                     lambda: f"bias[{index}] must have shape {(handle.num_tokens, self.hidden)}, "
                      f"got {tuple(tensor.shape)}")
         if previous_event is not None:
             _require(allocate_on_comm_stream,

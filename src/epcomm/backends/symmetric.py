@@ -72,6 +72,24 @@ def symmetric_supported(buffer) -> bool:
 
 
 
+def _payload_words(hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """int32 words of a bf16 row, and of an FP8 row and its scales."""
+    return (hidden // 2,), (hidden // 4, (hidden + FP8_BLOCK - 1) // FP8_BLOCK)
+
+
+def heap_layout(num_ranks: int, stride_tokens: int, hidden: int,
+                num_topk: int) -> tuple[int, int, int, int]:
+    """Byte offsets of one rank's heap: (combine counters, dispatch staging, combine staging,
+    total bytes). The dispatch counters are at 0; records fit bf16 and FP8 rows alike."""
+    R, S = num_ranks, stride_tokens
+    record_words = max(RecordLayout(num_topk, words).words for words in _payload_words(hidden))
+    flags = 3 * R * 8
+    dispatch_region = (2 * flags + 255) // 256 * 256
+    combine_region = dispatch_region + R * S * record_words * 4
+    total = combine_region + R * S * combine_kernels.CombineLayout(hidden, num_topk).words * 4
+    return flags, dispatch_region, combine_region, total
+
+
 def _vector_words(words: list[int], widest: int) -> int:
     """The widest power of two <= `widest` that divides every width in `words`."""
     vec = widest
@@ -101,9 +119,7 @@ class SymmetricBackend(Backend):
         self.num_sms = programs
 
         R, S, H, K = self.num_ranks, self.stride_tokens, self.hidden, self.num_topk
-        scales = (H + FP8_BLOCK - 1) // FP8_BLOCK
-        bf16_words, fp8_words = (H // 2,), (H // 4, scales)
-        record_words = max(RecordLayout(K, bf16_words).words, RecordLayout(K, fp8_words).words)
+        bf16_words, fp8_words = _payload_words(H)
         self.combine_layout = combine_kernels.CombineLayout(H, K)
         tile = _GPU_TILE if self.device.type == "cuda" else _CPU_TILE
         use_timer = not INTERPRET
@@ -114,10 +130,7 @@ class SymmetricBackend(Backend):
                                          min(tile["block_h"], max(16, H)), tile["combine_rows"],
                                          programs, tile["combine_warps"], use_timer)
 
-        flags = 3 * R * 8
-        dispatch_region = (2 * flags + 255) // 256 * 256
-        combine_region = dispatch_region + R * S * record_words * 4
-        nbytes = combine_region + R * S * self.combine_layout.words * 4
+        flags, dispatch_region, combine_region, nbytes = heap_layout(R, S, H, K)
         self.heap = SymmetricHeap(self.group, nbytes, self.device)
         self.heap_bytes = nbytes
         self.dispatch_stage = Stage(self.heap.bases, self.rank, 0, dispatch_region, S)
@@ -217,9 +230,12 @@ class SymmetricBackend(Backend):
                               self._pos_scratch, topk_idx, E, request.topk_weights, request.rows,
                               layout, slots, self._flags, self.timeout, idx_copy)
 
-        rank_psum = alloc.empty((R,), i32)
-        expert_counts = alloc.empty((num_local,), i32)
-        expert_psum = alloc.empty((num_local,), i32)
+        # One allocation for the handle's three small tensors, each 16-byte aligned (the
+        # compiled kernels assume it).
+        padded = [align_up(R, 4), align_up(num_local, 4), align_up(num_local, 4)]
+        rank_psum, expert_counts, expert_psum = (
+            part[:n] for part, n in zip(alloc.empty((sum(padded),), i32).split(padded),
+                                        (R, num_local, num_local)))
         hist = self._hist(num_local)
         receive = dict(max_tokens=M, num_local=num_local, alignment=align, expand=expand,
                        rank_psum=rank_psum, expert_counts=expert_counts, expert_psum=expert_psum,

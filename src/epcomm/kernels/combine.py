@@ -27,9 +27,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .dispatch import KernelShape, Stage
-from .common import (bf16_to_f32, columns, copy_rows, f32_to_bf16, flag_mask, i32_ptr,
-                     max_along, sum_along)
+from .common import (bf16_to_f32, columns, copy_rows, exclusive_prefix, f32_to_bf16,
+                     flag_mask, i32_ptr, max_along, sum_along)
+from .dispatch import KernelShape, Stage, aligned
 from .sync import add_counters, own_counters, peer_counters, wait_counters
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
@@ -60,7 +60,7 @@ def half_ptrs(addr, VEC: tl.constexpr):
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
     "weight_offset", "expand", "has_w", "hidden", "timeout"])
-def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                 record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
                 weights_ptr, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
@@ -97,7 +97,11 @@ def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_
         meta = meta_ptr + n64 * (K + 2) + 2
         hmask = nmask[:, None] & kmask[None, :]
         if expand != 0:
-            # The token's expert rows summed in slot order in fp32, one bf16 rounding.
+            # The row's expert rows summed in slot order in fp32, one bf16 rounding. A slot
+            # without a row reads +0.0, which never changes an accumulator that started at
+            # +0.0 (so the order of docs/semantics.md is kept bit for bit); unrolled over K so
+            # that all K loads are in flight together.
+            targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1)
             for start in range(0, hidden, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
                 wmask = columns(offs, hidden, VEC)
@@ -106,12 +110,11 @@ def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_
                     src = tl.load(meta + j, mask=nmask, other=-1).to(tl.int64)
                     row = x_ptr + tl.multiple_of(tl.maximum(src, 0) * hidden, VEC)
                     value = tl.load(row[:, None] + offs[None, :],
-                                    mask=(src >= 0)[:, None] & wmask[None, :])
-                    acc = tl.where((src >= 0)[:, None], acc + bf16_to_f32(value), acc)
+                                    mask=(src >= 0)[:, None] & wmask[None, :], other=0)
+                    acc += bf16_to_f32(value)
                 dst = half_ptrs(rec, VEC)
                 tl.store(dst[:, None] + offs[None, :], f32_to_bf16(acc),
                          mask=nmask[:, None] & wmask[None, :])
-            targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1).to(tl.int64)
             weights = tl.load(weights_ptr + tl.maximum(targets, 0),
                               mask=flag_mask(hmask & (targets >= 0), has_w), other=0)
         else:
@@ -157,9 +160,11 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
         hmask = tmask[:, None] & kmask[None, :]
         slots = tl.load(slot_ptr + t64[:, None] * K + kk[None, :], mask=hmask, other=-1)
         # A slot adds its rank's row only if no later slot of the token has the same rank
-        # (the same record).
+        # (the same record). The tile walks the n-th such slot of every token at once.
         later = (kk[None, None, :] > kk[None, :, None]) & (slots[:, None, :] == slots[:, :, None])
         last = (slots >= 0) & (max_along(later.to(tl.int32), 2) == 0)
+        order = exclusive_prefix(last.to(tl.int32), 1)
+        most = max_along(sum_along(last.to(tl.int32), 1), 0)
         for start in range(0, hidden, BLOCK_H):
             offs = start + tl.arange(0, BLOCK_H)
             wmask = columns(offs, hidden, VEC)
@@ -170,12 +175,15 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
                 acc = acc + bf16_to_f32(tl.load(bias0_ptr + rows, mask=mask))
             if num_biases > 1:
                 acc = acc + bf16_to_f32(tl.load(bias1_ptr + rows, mask=mask))
-            for j in tl.static_range(K):
-                slot = sum_along(tl.where(kk[None, :] == j, slots, 0), 1)
-                live = sum_along(tl.where(kk[None, :] == j, last.to(tl.int32), 0), 1) > 0
-                rec = half_ptrs(base + tl.maximum(slot, 0).to(tl.int64) * record_words * 4, VEC)
-                value = tl.load(rec[:, None] + offs[None, :], mask=live[:, None] & wmask[None, :])
-                acc = tl.where(live[:, None], acc + bf16_to_f32(value), acc)
+            for n in range(0, most):
+                pick = last & (order == n)
+                slot = sum_along(tl.where(pick, slots, 0), 1)
+                rec = half_ptrs(base + slot.to(tl.int64) * record_words * 4, VEC)
+                # Tokens without an n-th slot read +0.0, which leaves their sums unchanged.
+                value = tl.load(rec[:, None] + offs[None, :],
+                                mask=(max_along(pick.to(tl.int32), 1) > 0)[:, None]
+                                & wmask[None, :], other=0)
+                acc += bf16_to_f32(value)
             tl.store(out_ptr + rows, f32_to_bf16(acc), mask=mask)
         if has_w != 0:
             rec = i32_ptr(base + tl.maximum(slots, 0).to(tl.int64) * record_words * 4)
@@ -202,10 +210,11 @@ def send(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psu
     counter += P.
     """
     has_w = weights is not None
-    send_kernel[(shape.programs,)](
-        *_args(stage, layout, sync), rank_psum, metadata, x.view(torch.int16), int(expand),
+    shape.launch(
+        combine_send_kernel, () if aligned(x, weights) else None, *_args(stage, layout, sync),
+        rank_psum, metadata, x.view(torch.int16), int(expand),
         weights.view(torch.int32) if has_w else metadata, int(has_w), x.shape[1], error,
-        timeout, **shape.constants("BLOCK_H"))
+        timeout, width="BLOCK_H")
 
 
 def reduce(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, slots,
@@ -225,8 +234,8 @@ def reduce(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, slots,
     bias0 = biases[0] if biases else out
     bias1 = biases[1] if len(biases) > 1 else bias0
     args = _args(stage, layout, sync)
-    reduce_kernel[(shape.programs,)](
-        *args[:5], *args[6:], slots.shape[0], slots, bias0.view(torch.int16),
-        bias1.view(torch.int16), len(biases), out.view(torch.int16),
-        slots if weights_out is None else weights_out.view(torch.int32),
-        int(weights_out is not None), out.shape[1], error, timeout, **shape.constants("BLOCK_H"))
+    shape.launch(
+        reduce_kernel, () if aligned(*biases) else None, *args[:5], *args[6:], slots.shape[0],
+        slots, bias0.view(torch.int16), bias1.view(torch.int16), len(biases),
+        out.view(torch.int16), slots if weights_out is None else weights_out.view(torch.int32),
+        int(weights_out is not None), out.shape[1], error, timeout, width="BLOCK_H")

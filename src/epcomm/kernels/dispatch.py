@@ -43,6 +43,7 @@ import triton.language as tl
 from .. import errors
 from .common import (columns, copy_rows, exclusive_prefix, flag_mask, i32_ptr, max_along,
                      running_total, sum_along, total, word_ptrs)
+from .launcher import Launcher
 from .sync import add_counters, grid_barrier, own_counters, peer_counters, wait_counters
 
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
@@ -105,6 +106,29 @@ class KernelShape:
                 "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
                 "num_warps": self.num_warps}
 
+    @property
+    def block_p(self) -> int:
+        """The programs as one block (kernels that read a value of every program)."""
+        return max(2, triton.next_power_of_2(self.programs))
+
+    def launch(self, fn, variant, *args, width: str = "BLOCK_W", **extra) -> None:
+        """Launch `fn` on P programs with this shape's constants (and `extra` ones) through a
+        cached `Launcher`; `variant` as `Launcher` takes it."""
+        key = (fn, self, width, tuple(sorted(extra.items())))
+        launcher = _LAUNCHERS.get(key)
+        if launcher is None:
+            launcher = _LAUNCHERS[key] = Launcher(fn, self.programs,
+                                                  {**self.constants(width), **extra})
+        launcher(variant, *args)
+
+
+_LAUNCHERS: dict = {}
+
+
+def aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether every given tensor starts on a 16-byte boundary (what Triton specializes on)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
 
 def _fields(rows: Sequence[torch.Tensor], layout: RecordLayout):
     """(words tensor, words, offset) of payload 0 and 1; a missing payload 1 has 0 words."""
@@ -159,12 +183,12 @@ def _push_field(src, num_words, field_offset, bases_ptr, region_offset, first_sl
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
     "num_tokens", "num_experts", "copy_idx", "has_w", "w0", "off0", "w1", "off1", "timeout"])
-def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                 record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr, num_tokens,
                 num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
                 w1, off1, slot_out, error_ptr, timeout, K: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_R: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
-                BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr):
+                BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -194,14 +218,11 @@ def send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_
     call = grid_barrier(sync_ptr + 0, error_ptr, 4, timeout, USE_TIMER)  # DISPATCH_TIMEOUT
 
     # 2. This chunk's first position per destination, and every destination's total.
-    before = tl.full([BLOCK_R], 0, tl.int32)
-    sent_total = tl.full([BLOCK_R], 0, tl.int32)
-    for p0 in range(0, num_programs, 16):
-        pp = p0 + tl.arange(0, 16)
-        counts = tl.load(counts_scratch + pp[:, None] * BLOCK_R + rr[None, :],
-                         mask=(pp < num_programs)[:, None], other=0, cache_modifier=".cg")
-        before += total(tl.where((pp < pid)[:, None], counts, 0))
-        sent_total += total(counts)
+    pp = tl.arange(0, BLOCK_P)  # every program's counts in one load: one L2 round trip
+    counts = tl.load(counts_scratch + pp[:, None] * BLOCK_R + rr[None, :],
+                     mask=(pp < num_programs)[:, None], other=0, cache_modifier=".cg")
+    before = total(tl.where((pp < pid)[:, None], counts, 0))
+    sent_total = total(counts)
 
     # 3. Every destination has copied out what this rank pushed the call before.
     if not wait_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
@@ -339,14 +360,15 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
     "barrier_slot", "max_tokens", "num_local", "alignment", "capacity", "out_rows", "full",
     "expand", "zero_padding", "tail", "has_w", "w0", "off0", "w1", "off1", "timeout"])
-def receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                    record_words, sync_ptr, barrier_slot, hist_ptr, gap_ptr, max_tokens,
                    num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                    idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
                    expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
                    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
-                   VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr):
+                   VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr,
+                   BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -414,15 +436,12 @@ def receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
     carry = tl.full([], 0, tl.int32)
     for e0 in range(0, num_local, BLOCK_E):
         emask = e0 + ee < num_local
-        before = tl.full([BLOCK_E], 0, tl.int32)
-        pairs = tl.full([BLOCK_E], 0, tl.int32)
-        for p0 in range(0, num_programs, 16):
-            pp = p0 + tl.arange(0, 16)
-            hist = tl.load(hist_ptr + pp[:, None] * num_local + e0 + ee[None, :],
-                           mask=(pp < num_programs)[:, None] & emask[None, :], other=0,
-                           cache_modifier=".cg")
-            before += total(tl.where((pp < pid)[:, None], hist, 0))
-            pairs += total(hist)
+        pp = tl.arange(0, BLOCK_P)
+        hist = tl.load(hist_ptr + pp[:, None] * num_local + e0 + ee[None, :],
+                       mask=(pp < num_programs)[:, None] & emask[None, :], other=0,
+                       cache_modifier=".cg")
+        before = total(tl.where((pp < pid)[:, None], hist, 0))
+        pairs = total(hist)
         aligned = (pairs + alignment - 1) // alignment * alignment
         inclusive = carry + running_total(aligned)
         starts = inclusive - aligned
@@ -553,11 +572,13 @@ def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, to
     counter += P, count slot = 1.
     """
     has_w = weights is not None
-    send_kernel[(shape.programs,)](
-        *stage.args(), layout.words, sync, counts_scratch, pos_scratch, topk_idx,
-        topk_idx.shape[0], num_experts, topk_idx if idx_copy is None else idx_copy,
-        int(idx_copy is not None), weights.view(torch.int32) if has_w else topk_idx,
-        int(has_w), *_fields(rows, layout), slot_out, error, timeout, **shape.constants())
+    variant = (topk_idx.dtype,) if aligned(topk_idx, weights, *rows) else None
+    shape.launch(
+        dispatch_send_kernel, variant, *stage.args(), layout.words, sync, counts_scratch,
+        pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
+        topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
+        weights.view(torch.int32) if has_w else counts_scratch, int(has_w),
+        *_fields(rows, layout), slot_out, error, timeout, BLOCK_P=shape.block_p)
 
 
 _BLOCK_E = 64  # experts per step of the receive-side histogram and scan
@@ -584,11 +605,11 @@ def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, l
     idx_dummy = metadata if idx_out is None else idx_out
     w_dummy = metadata if weights_out is None else weights_out.view(torch.int32)
     payload = rows_out if rows_out else [metadata]
-    receive_kernel[(shape.programs,)](
-        *stage.args(), layout.words, sync, SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch,
-        gap_scratch, max_tokens, num_local, alignment, capacity, out_rows, int(full),
-        int(expand), int(zero_padding), int(tail), idx_dummy, w_dummy,
-        int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
-        *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,))), error,
-        timeout, BLOCK_M=triton.next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E,
-        **shape.constants())
+    shape.launch(
+        dispatch_receive_kernel, (idx_dummy.dtype,), *stage.args(), layout.words, sync,
+        SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens, num_local,
+        alignment, capacity, out_rows, int(full), int(expand), int(zero_padding), int(tail),
+        idx_dummy, w_dummy, int(weights_out is not None), metadata, rank_psum, expert_counts,
+        expert_psum, *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,))),
+        error, timeout, BLOCK_M=triton.next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E,
+        BLOCK_P=shape.block_p)

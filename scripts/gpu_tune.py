@@ -1,0 +1,176 @@
+"""Tune the symmetric backend's tiles, and see where host time goes (GPU machine, EP=1).
+
+    PYTHONPATH=src python3 scripts/gpu_tune.py [--tokens 4096] [--hidden 7168] [--host]
+
+1. For each candidate tile of `backends.symmetric` (rows per tile, copy-step width, warps of the
+   dispatch and of the combine kernels) a one-rank symmetric buffer runs sync-free compact and
+   expand round trips; the torch profiler gives each kernel's mean GPU time. One table; the
+   constants in `backends/symmetric.py` cite the winner.
+2. With `--host`: the median host time of pieces of a call with the GPU idle before each (a
+   torch.empty, a stream switch, an empty Triton launch with as many arguments as ours, a whole
+   dispatch and combine), then a cProfile of ten dispatches by cumulative time.
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from epcomm.launch import run_local_ranks
+
+CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
+    (16, 512, 8, 16, 1024, 16),
+    (8, 512, 8, 8, 1024, 8),
+    (32, 512, 16, 16, 512, 8),
+    (16, 1024, 16, 8, 2048, 16),
+    (8, 256, 4, 4, 1024, 4),
+]
+
+
+def _data(tokens, hidden, topk, experts, device):
+    gen = torch.Generator(device="cpu").manual_seed(5)
+    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(device)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    weights = torch.rand(tokens, topk, generator=gen).to(device)
+    return x, idx.to(device), weights
+
+
+def _kernel_times(buffer, x, idx, w, experts, expand, iters=10):
+    from torch.profiler import ProfilerActivity, profile
+
+    def step():
+        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False,
+                              do_expand=expand)
+        buffer.combine(out[0], out[3], topk_weights=out[2])
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    times = {}
+    for event in prof.key_averages():
+        if event.key.endswith("_kernel"):
+            times[event.key] = event.device_time_total / event.count
+    return times
+
+
+def tiles(tokens, hidden, topk, experts):
+    from epcomm.backends import symmetric
+    from epcomm.buffer import Buffer
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, w = _data(tokens, hidden, topk, experts, device)
+    names = ("dispatch_send_kernel", "dispatch_receive_kernel", "combine_send_kernel",
+             "reduce_kernel")
+    rows = []
+    for rows_d, block_w, warps_d, rows_c, block_h, warps_c in CANDIDATES:
+        symmetric._GPU_TILE = dict(rows=rows_d, block_w=block_w, num_warps=warps_d,
+                                   combine_rows=rows_c, block_h=block_h, combine_warps=warps_c)
+        buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+        for expand in (False, True):
+            times = _kernel_times(buffer, x, idx, w, experts, expand)
+            rows.append(((rows_d, block_w, warps_d, rows_c, block_h, warps_c), expand,
+                         [times.get(n, float("nan")) for n in names]))
+        buffer.destroy()
+    return rows
+
+
+@triton.jit
+def empty_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5, b6, b7, b8,
+                 b9, c0, c1, c2, c3, c4, c5, K: tl.constexpr, R: tl.constexpr):
+    pass
+
+
+def _median_host(fn, iters=20):
+    fn()
+    samples = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - begin)
+    torch.cuda.synchronize()
+    return sorted(samples)[iters // 2] * 1e6
+
+
+def host(tokens, hidden, topk, experts):
+    import cProfile
+    import pstats
+
+    from epcomm.buffer import Buffer
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, w = _data(tokens, hidden, topk, experts, device)
+    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+    stream = torch.cuda.Stream()
+    tensors = [torch.empty(16, device=device) for _ in range(14)]
+    ints = list(range(1, 13))
+    state = {}
+
+    def dispatch():
+        state["out"] = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
+
+    def combine():
+        out = state["out"]
+        buffer.combine(out[0], out[3], topk_weights=out[2])
+
+    def switch():
+        with torch.cuda.stream(stream):
+            pass
+
+    pieces = [
+        ("torch.empty 4096 x 7168 bf16", lambda: torch.empty(tokens, hidden, dtype=torch.bfloat16,
+                                                               device=device)),
+        ("with torch.cuda.stream(s): pass", switch),
+        ("empty Triton launch, 26 arguments", lambda: empty_kernel[(132,)](
+            *tensors, *ints, K=8, R=1)),
+        ("Buffer.dispatch (compact, sync-free)", dispatch),
+        ("Buffer.combine", combine),
+    ]
+    print("| host piece | median us |\n|---|---|")
+    for name, fn in pieces:
+        print(f"| {name} | {_median_host(fn):.1f} |")
+    profiler = cProfile.Profile()
+    for _ in range(10):
+        torch.cuda.synchronize()
+        profiler.enable()
+        dispatch()
+        profiler.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profiler)
+    stats.sort_stats("cumulative").print_stats(30)
+    stats.sort_stats("tottime").print_stats(25)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--hidden", type=int, default=7168)
+    parser.add_argument("--topk", type=int, default=8)
+    parser.add_argument("--experts", type=int, default=256)
+    parser.add_argument("--host", action="store_true")
+    parser.add_argument("--no-tiles", action="store_true")
+    args = parser.parse_args()
+    shape = (args.tokens, args.hidden, args.topk, args.experts)
+    if args.host:
+        run_local_ranks(host, 1, *shape, timeout_s=600)
+    if args.no_tiles:
+        return
+    rows = run_local_ranks(tiles, 1, *shape, timeout_s=600)[0]
+    print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
+    print("| dispatch rows/width/warps | combine rows/width/warps | layout | send | receive | "
+          "combine send | reduce |\n|---|---|---|---|---|---|---|")
+    for tile, expand, times in rows:
+        print(f"| {tile[0]}/{tile[1]}/{tile[2]} | {tile[3]}/{tile[4]}/{tile[5]} | "
+              f"{'expand' if expand else 'compact'} | "
+              + " | ".join(f"{t:.1f}" for t in times) + " |")
+
+
+if __name__ == "__main__":
+    main()
