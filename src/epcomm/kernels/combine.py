@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (bf16_to_f32, columns, copy_rows, exclusive_prefix, f32_to_bf16,
+from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, sum_along)
 from .dispatch import KernelShape, Stage, aligned
 from .sync import add_counters, own_counters, peer_counters, wait_counters
@@ -163,7 +163,7 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
         # (the same record). The tile walks the n-th such slot of every token at once.
         later = (kk[None, None, :] > kk[None, :, None]) & (slots[:, None, :] == slots[:, :, None])
         last = (slots >= 0) & (max_along(later.to(tl.int32), 2) == 0)
-        order = exclusive_prefix(last.to(tl.int32), 1)
+        order = exclusive_columns(last.to(tl.int32), BLOCK_K)
         most = max_along(sum_along(last.to(tl.int32), 1), 0)
         for start in range(0, hidden, BLOCK_H):
             offs = start + tl.arange(0, BLOCK_H)

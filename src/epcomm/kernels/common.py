@@ -82,10 +82,23 @@ def running_total(x):
     return tl.associative_scan(x, 0, _add)
 
 
+# Prefix sums over the small axes of a tile are sums over a comparison matrix, not
+# `tl.associative_scan`: Triton 3.6 fails an assertion lowering some 2-D scans on the GPU
+# (ScanOpToLLVM, seen with a [16, 4] tile and 16 warps).
 @triton.jit
-def exclusive_prefix(x, AXIS: tl.constexpr):
-    """Exclusive prefix sum along axis AXIS of a block."""
-    return tl.associative_scan(x, AXIS, _add) - x
+def exclusive_rows(x, ROWS: tl.constexpr):
+    """Exclusive prefix sum along axis 0 of a [ROWS, C] block."""
+    i = tl.arange(0, ROWS)
+    before = i[None, :] < i[:, None]  # [i, j]: row j comes before row i
+    return sum_along(tl.where(before[:, :, None], x[None, :, :], 0), 1)
+
+
+@triton.jit
+def exclusive_columns(x, COLS: tl.constexpr):
+    """Exclusive prefix sum along axis 1 of an [R, COLS] block."""
+    j = tl.arange(0, COLS)
+    before = j[None, :] < j[:, None]  # [j, k]: column k comes before column j
+    return sum_along(tl.where(before[None, :, :], x[:, None, :], 0), 2)
 
 
 @triton.jit

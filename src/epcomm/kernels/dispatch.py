@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from .. import errors
-from .common import (columns, copy_rows, exclusive_prefix, flag_mask, i32_ptr, max_along,
+from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      running_total, sum_along, total, word_ptrs)
 from .launcher import Launcher
 from .sync import add_counters, grid_barrier, own_counters, peer_counters, wait_counters
@@ -238,7 +238,7 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
         t64 = tt.to(tl.int64)
         ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
                                                  K, BLOCK_K)
-        pos = tl.where(sent > 0, running[None, :] + exclusive_prefix(sent, 0), -1)
+        pos = tl.where(sent > 0, running[None, :] + exclusive_rows(sent, ROWS), -1)
         running += total(sent)
         tl.store(pos_scratch + t64[:, None] * num_ranks + rr[None, :], pos,
                  mask=tmask[:, None] & rmask[None, :])
