@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
-                     flag_mask, i32_ptr, max_along, sum_along)
+                     flag_mask, i32_ptr, max_along, program_chunk, sum_along)
 from .dispatch import KernelShape, Stage, aligned
 from .sync import add_counters, own_counters, peer_counters, wait_counters
 
@@ -65,7 +65,6 @@ def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset,
                 weights_ptr, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
-    pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -81,9 +80,7 @@ def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset,
 
     psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
-    chunk = (num_rows + num_programs - 1) // num_programs
-    begin = pid * chunk
-    end = tl.minimum(begin + chunk, num_rows)
+    begin, end = program_chunk(num_rows)
     for r0 in range(begin, end, ROWS):
         rows = r0 + tl.arange(0, ROWS)
         nmask = rows < end
@@ -136,7 +133,6 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                   ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr,
                   USE_TIMER: tl.constexpr):
-    pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -150,9 +146,7 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
     tl.debug_barrier()
 
     base = tl.load(bases_ptr + rank) + region_offset
-    chunk = (num_tokens + num_programs - 1) // num_programs
-    begin = pid * chunk
-    end = tl.minimum(begin + chunk, num_tokens)
+    begin, end = program_chunk(num_tokens)
     for t0 in range(begin, end, ROWS):
         tt = t0 + tl.arange(0, ROWS)
         tmask = tt < end

@@ -28,6 +28,16 @@ def f32_to_bf16(x):
 
 
 @triton.jit
+def program_chunk(num_items):
+    """[begin, end) of this program's contiguous share of `num_items` (P equal chunks, the
+    last ones shorter or empty)."""
+    num_programs = tl.num_programs(0)
+    chunk = (num_items + num_programs - 1) // num_programs
+    begin = tl.program_id(0) * chunk
+    return begin, tl.minimum(begin + chunk, num_items)
+
+
+@triton.jit
 def flag_mask(mask, flag):
     """`mask` where the run-time int `flag` is non-zero, else all False (built as a block: the
     interpreter cannot mix a plain bool into a mask)."""

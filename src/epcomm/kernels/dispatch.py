@@ -40,9 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import errors
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
-                     running_total, sum_along, total, word_ptrs)
+                     program_chunk, running_total, sum_along, total, word_ptrs)
 from .launcher import Launcher
 from .sync import add_counters, grid_barrier, own_counters, peer_counters, wait_counters
 
@@ -195,9 +194,7 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
     rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
-    chunk = (num_tokens + num_programs - 1) // num_programs
-    begin = pid * chunk
-    end = tl.minimum(begin + chunk, num_tokens)
+    begin, end = program_chunk(num_tokens)
 
     # 1. Tokens of this chunk per destination.
     sent_here = tl.full([BLOCK_R], 0, tl.int32)
@@ -391,9 +388,7 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
     num_rows = total(counts)
     if pid == 0:
         tl.store(rank_psum_out + rr, psum, mask=rmask)
-    chunk = (num_rows + num_programs - 1) // num_programs
-    begin = pid * chunk
-    end = tl.minimum(begin + chunk, num_rows)
+    begin, end = program_chunk(num_rows)
 
     # 2. Per compact row: ids, weights, source metadata, compact payload; this program's pairs
     # per local expert into its own histogram row (zeroed first).
