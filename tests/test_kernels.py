@@ -190,3 +190,23 @@ def test_reduce_rounds_like_torch():
                                                                   device=DEV).view(-1, 1),
                    (bias,), out, None, rank.error, TIMEOUT)
     assert torch.equal(out, (bias.float() + x.float()).bfloat16())
+
+
+def test_launcher_reuses_the_compiled_variant():
+    """A `Launcher` launches the generic way first, then (on the GPU) through the kept compiled
+    kernel: both launches must do the same work; `variant=None` always goes the generic way."""
+    from epcomm.kernels.launcher import Launcher
+    rank = OneRank()
+    x, layout, _ = _send_example(rank)
+    out = _receive(rank, layout)
+    assert out["metadata"].tolist() == [[0, 1, 0, 2]]
+    cached = [launcher for launcher in dispatch._LAUNCHERS.values()
+              if launcher.fn is dispatch.dispatch_receive_kernel and launcher.compiled]
+    assert bool(cached) == (not INTERPRET)  # the interpreter has nothing to keep
+    for call in range(2):  # a second round trip reuses both kernels
+        _send_example(rank)
+        again = _receive(rank, layout)
+        assert again["metadata"].tolist() == [[0, 1, 0, 2]], call
+        assert torch.equal(again["rows_out"][0], x[:1])
+    assert rank.counters(0) == [3, 3, 1] and int(rank.error) == 0
+    assert Launcher(dispatch.dispatch_send_kernel, 1, {}).fast == (not INTERPRET)
