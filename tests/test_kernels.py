@@ -13,13 +13,15 @@ import torch  # noqa: E402
 from epcomm import errors  # noqa: E402
 from epcomm.kernels import INTERPRET  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
+from epcomm.kernels import launcher  # noqa: E402
+from epcomm.kernels.launcher import KernelShape, Launcher, Stage  # noqa: E402
 from epcomm.kernels.sync import timeout_units  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 i32, i64, bf16 = torch.int32, torch.int64, torch.bfloat16
 S, K, H = 4, 2, 2
 REGION = 64  # bytes: the six int64 counters of one rank (dispatch), then the staging records
-SHAPE = dispatch.KernelShape(num_ranks=1, num_topk=K, vec=1, block_w=16, rows=4, programs=1,
+SHAPE = KernelShape(num_ranks=1, num_topk=K, vec=1, block_w=16, rows=4, programs=1,
                              num_warps=1, use_timer=not INTERPRET)
 TIMEOUT = timeout_units(10.0, INTERPRET)
 
@@ -35,8 +37,8 @@ class OneRank:
     def __init__(self) -> None:
         self.heap = torch.zeros(512, dtype=i32, device=DEV)
         bases = _t([self.heap.data_ptr()], i64)
-        self.dispatch = dispatch.Stage(bases, 0, 0, REGION, S)
-        self.combine = dispatch.Stage(bases, 0, 24, REGION + 4 * 48, S)
+        self.dispatch = Stage(bases, 0, 0, REGION, S)
+        self.combine = Stage(bases, 0, 24, REGION + 4 * 48, S)
         self.sync = torch.zeros(8, dtype=i64, device=DEV)
         self.error = _t(0, i32)
         self.counts = torch.zeros(16, dtype=i32, device=DEV)
@@ -173,12 +175,12 @@ def test_reduce_rounds_like_torch():
     kernel converts in integer arithmetic: round to nearest even)."""
     hidden, tokens = 64, 4
     gen = torch.Generator().manual_seed(3)
-    shape = dispatch.KernelShape(1, 1, 1, 16, 4, 1, 1, not INTERPRET)
+    shape = KernelShape(1, 1, 1, 16, 4, 1, 1, not INTERPRET)
     layout = combine.CombineLayout(hidden, 1)
     rank = OneRank()
     rank.heap = torch.zeros(4096, dtype=i32, device=DEV)
     bases = _t([rank.heap.data_ptr()], i64)
-    stage = dispatch.Stage(bases, 0, 24, REGION, tokens)
+    stage = Stage(bases, 0, 24, REGION, tokens)
     x = (torch.randn(tokens, hidden, generator=gen) * 1e3).bfloat16().to(DEV)
     bias = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEV)
     meta = torch.stack([torch.arange(tokens), torch.zeros(tokens, dtype=i64),
@@ -195,13 +197,12 @@ def test_reduce_rounds_like_torch():
 def test_launcher_reuses_the_compiled_variant():
     """A `Launcher` launches the generic way first, then (on the GPU) through the kept compiled
     kernel: both launches must do the same work; `variant=None` always goes the generic way."""
-    from epcomm.kernels.launcher import Launcher
     rank = OneRank()
     x, layout, _ = _send_example(rank)
     out = _receive(rank, layout)
     assert out["metadata"].tolist() == [[0, 1, 0, 2]]
-    cached = [launcher for launcher in dispatch._LAUNCHERS.values()
-              if launcher.fn is dispatch.dispatch_receive_kernel and launcher.compiled]
+    cached = [kept for kept in launcher._LAUNCHERS.values()
+              if kept.fn is dispatch.dispatch_receive_kernel and kept.compiled]
     assert bool(cached) == (not INTERPRET)  # the interpreter has nothing to keep
     for call in range(2):  # a second round trip reuses both kernels
         _send_example(rank)

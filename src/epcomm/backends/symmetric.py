@@ -34,7 +34,8 @@ from ..handle import EPHandle
 from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
-from ..kernels.dispatch import KernelShape, RecordLayout, Stage, payload_words
+from ..kernels.dispatch import RecordLayout, payload_words
+from ..kernels.launcher import KernelShape, Stage
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
 from ..symm_heap import SymmetricHeap, all_gather_objects, heap_reachable

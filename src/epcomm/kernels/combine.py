@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, program_chunk, sum_along)
-from .dispatch import KernelShape, Stage, aligned
+from .launcher import KernelShape, Stage, aligned
 from .sync import add_counters, own_counters, peer_counters, wait_counters
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call

@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      program_chunk, running_total, sum_along, total, word_ptrs)
-from .launcher import Launcher
+from .launcher import KernelShape, Stage, aligned
 from .sync import add_counters, grid_barrier, own_counters, peer_counters, wait_counters
 
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
@@ -81,52 +81,6 @@ class RecordLayout:
 
 def payload_words(rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(row.shape[1] * row.element_size() // 4 for row in rows)
-
-
-@dataclass(frozen=True)
-class KernelShape:
-    """Compile-time shape of a buffer's kernels (fixed at construction, so warm-up compiles
-    every variant). vec: elements per vector access (it divides every row width); block_w:
-    elements per copy step; rows: rows per tile; programs: P, the grid of every launch."""
-
-    num_ranks: int
-    num_topk: int
-    vec: int
-    block_w: int
-    rows: int
-    programs: int
-    num_warps: int
-    use_timer: bool
-
-    def constants(self, width: str = "BLOCK_W") -> dict:
-        """Keyword arguments of a launch; `width` names the kernel's copy-step constant."""
-        return {"K": self.num_topk, "BLOCK_K": triton.next_power_of_2(self.num_topk),
-                "BLOCK_R": triton.next_power_of_2(self.num_ranks), "ROWS": self.rows,
-                "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
-                "num_warps": self.num_warps}
-
-    @property
-    def block_p(self) -> int:
-        """The programs as one block (kernels that read a value of every program)."""
-        return max(2, triton.next_power_of_2(self.programs))
-
-    def launch(self, fn, variant, *args, width: str = "BLOCK_W", **extra) -> None:
-        """Launch `fn` on P programs with this shape's constants (and `extra` ones) through a
-        cached `Launcher`; `variant` as `Launcher` takes it."""
-        key = (fn, self, width, tuple(sorted(extra.items())))
-        launcher = _LAUNCHERS.get(key)
-        if launcher is None:
-            launcher = _LAUNCHERS[key] = Launcher(fn, self.programs,
-                                                  {**self.constants(width), **extra})
-        launcher(variant, *args)
-
-
-_LAUNCHERS: dict = {}
-
-
-def aligned(*tensors: Optional[torch.Tensor]) -> bool:
-    """Whether every given tensor starts on a 16-byte boundary (what Triton specializes on)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
 def _fields(rows: Sequence[torch.Tensor], layout: RecordLayout):
@@ -529,23 +483,6 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
         # 5. This program is done with the staging region.
         add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask),
                      rmask)
-
-
-@dataclass(frozen=True)
-class Stage:
-    """One stage's heap memory as the kernels see it: `bases` (int64 [R], every heap's address
-    in this process), this rank, the byte offsets of the stage's counters and staging region,
-    and S, records per source block."""
-
-    bases: torch.Tensor
-    rank: int
-    flags_offset: int
-    region_offset: int
-    stride_tokens: int
-
-    def args(self) -> tuple:
-        return (self.bases, self.rank, self.bases.numel(), self.flags_offset, self.region_offset,
-                self.stride_tokens)
 
 
 def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, topk_idx,

@@ -1,4 +1,6 @@
-"""A launcher that skips Triton's per-call argument binding once a variant is compiled.
+"""How the host launches the kernels: their compile-time `KernelShape`, the heap memory of a
+`Stage`, and a `Launcher` that skips Triton's per-call argument binding once a variant is
+compiled.
 
 Triton's generic launch (`kernel[grid](...)`) binds and specializes every argument on each call:
 about 43 us of host time for a 26-argument kernel on the GPU machine (`scripts/gpu_tune.py
@@ -12,7 +14,11 @@ all `do_not_specialize` in our kernels. Under the interpreter every launch is ge
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Hashable, Optional
+
+import torch
+import triton
 
 from . import INTERPRET
 
@@ -39,3 +45,66 @@ class Launcher:
                 self.compiled[variant] = compiled
             return
         compiled[self.grid](*args, *self.tail)
+
+
+@dataclass(frozen=True)
+class KernelShape:
+    """Compile-time shape of a buffer's kernels (fixed at construction, so warm-up compiles
+    every variant). vec: elements per vector access (it divides every row width); block_w:
+    elements per copy step; rows: rows per tile; programs: P, the grid of every launch."""
+
+    num_ranks: int
+    num_topk: int
+    vec: int
+    block_w: int
+    rows: int
+    programs: int
+    num_warps: int
+    use_timer: bool
+
+    def constants(self, width: str = "BLOCK_W") -> dict:
+        """Keyword arguments of a launch; `width` names the kernel's copy-step constant."""
+        return {"K": self.num_topk, "BLOCK_K": triton.next_power_of_2(self.num_topk),
+                "BLOCK_R": triton.next_power_of_2(self.num_ranks), "ROWS": self.rows,
+                "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
+                "num_warps": self.num_warps}
+
+    @property
+    def block_p(self) -> int:
+        """The programs as one block (kernels that read a value of every program)."""
+        return max(2, triton.next_power_of_2(self.programs))
+
+    def launch(self, fn, variant, *args, width: str = "BLOCK_W", **extra) -> None:
+        """Launch `fn` on P programs with this shape's constants (and `extra` ones) through a
+        cached `Launcher`; `variant` as `Launcher` takes it."""
+        key = (fn, self, width, tuple(sorted(extra.items())))
+        launcher = _LAUNCHERS.get(key)
+        if launcher is None:
+            launcher = _LAUNCHERS[key] = Launcher(fn, self.programs,
+                                                  {**self.constants(width), **extra})
+        launcher(variant, *args)
+
+
+_LAUNCHERS: dict = {}  # (kernel, shape, constants) -> Launcher
+
+
+def aligned(*tensors: Optional[torch.Tensor]) -> bool:
+    """Whether every given tensor starts on a 16-byte boundary (what Triton specializes on)."""
+    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One stage's heap memory as the kernels see it: `bases` (int64 [R], every heap's address
+    in this process), this rank, the byte offsets of the stage's counters and staging region,
+    and S, records per source block."""
+
+    bases: torch.Tensor
+    rank: int
+    flags_offset: int
+    region_offset: int
+    stride_tokens: int
+
+    def args(self) -> tuple:
+        return (self.bases, self.rank, self.bases.numel(), self.flags_offset, self.region_offset,
+                self.stride_tokens)
