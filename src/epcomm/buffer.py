@@ -1,6 +1,7 @@
 """The public `Buffer`: validates arguments, controls streams and picks a backend."""
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
@@ -247,13 +248,18 @@ class Buffer:
         else:
             comm.wait_stream(compute)
         alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute, comm)
-        torch.cuda.set_stream(comm)  # cheaper than `with torch.cuda.stream(comm)`
-        try:
-            result = work(alloc)
-            event = torch.cuda.Event()
-            event.record(comm)
-        finally:
-            torch.cuda.set_stream(compute)
+        # `set_stream` is cheaper than `with torch.cuda.stream(comm)` (16-20 us of host time)
+        # but leaves the buffer's device current; take the context when another one is.
+        switch = contextlib.nullcontext() if torch.cuda.current_device() == self.device.index \
+            else torch.cuda.device(self.device)
+        with switch:
+            torch.cuda.set_stream(comm)
+            try:
+                result = work(alloc)
+                event = torch.cuda.Event()
+                event.record(comm)
+            finally:
+                torch.cuda.set_stream(compute)
         used = [t for t in inputs if t is not None]
         outputs = alloc.allocated
         held = None

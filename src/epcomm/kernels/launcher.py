@@ -39,12 +39,17 @@ class Launcher:
 
     def __call__(self, variant: Optional[Hashable], *args) -> None:
         compiled = self.compiled.get(variant) if self.fast and variant is not None else None
-        if compiled is None:
-            compiled = self.fn[self.grid](*args, **self.constants)
-            if self.fast and variant is not None:
-                self.compiled[variant] = compiled
-            return
-        compiled[self.grid](*args, *self.tail)
+        if compiled is not None:
+            try:
+                compiled[self.grid](*args, *self.tail)
+                return
+            except TypeError:
+                # A Triton whose compiled kernels take their arguments differently (the
+                # launcher rejects them before launching): use the generic path from now on.
+                self.fast = False
+        compiled = self.fn[self.grid](*args, **self.constants)
+        if self.fast and variant is not None:
+            self.compiled[variant] = compiled
 
 
 @dataclass(frozen=True)
