@@ -19,11 +19,12 @@ pytest.importorskip("triton")
 H, K, M = 32, 3, 8
 
 
-def _data(rank, num_tokens, num_experts, fp8, skew, seed, idx_dtype=torch.int64):
+def _data(rank, num_tokens, num_experts, fp8, skew, seed, idx_dtype=torch.int64, hidden=H):
     gen = torch.Generator().manual_seed(1000 * seed + rank)
-    x = torch.randn(num_tokens, H, generator=gen)
+    x = torch.randn(num_tokens, hidden, generator=gen)
     if fp8:
-        x = (x.to(torch.float8_e4m3fn), torch.rand(num_tokens, H // 128 + 1, generator=gen))
+        x = (x.to(torch.float8_e4m3fn),
+             torch.rand(num_tokens, (hidden + 127) // 128, generator=gen))
     else:
         x = x.to(torch.bfloat16)
     idx = torch.randint(-1, num_experts, (num_tokens, K), generator=gen)
@@ -114,6 +115,26 @@ def _matrix(num_ranks):
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_matches_collective(num_ranks):
     assert run_local_ranks(_matrix, num_ranks, num_ranks) == [32] * num_ranks
+
+
+def _odd_hidden(num_ranks):
+    """Row widths that are not powers of two (hidden 40: 20 bf16 words, 10 FP8 words, one
+    scale): copy steps are rounded up to powers of two and masked."""
+    from epcomm.buffer import Buffer
+    rank, hidden, num_experts = dist.get_rank(), 40, 4 * num_ranks
+    buffers = [Buffer(dist.group.WORLD, M, hidden, K, backend=name, timeout_s=30)
+               for name in ("collective", "symmetric")]
+    for seed, (expand, fp8) in enumerate(itertools.product((False, True), (False, True))):
+        x, idx, weights = _data(rank, M - rank, num_experts, fp8, False, 70 + seed,
+                                hidden=hidden)
+        opts = dict(do_expand=expand, do_cpu_sync=seed % 2 == 0, expert_alignment=2)
+        _roundtrip(buffers, x, idx, weights, num_experts, opts, None,
+                   f"rank {rank} hidden {hidden} {opts} fp8={fp8}")
+    return True
+
+
+def test_hidden_not_a_power_of_two():
+    assert run_local_ranks(_odd_hidden, 2, 2) == [True, True]
 
 
 def _interleaved(num_ranks):

@@ -91,6 +91,11 @@ def heap_layout(num_ranks: int, stride_tokens: int, hidden: int,
     return flags, dispatch_region, combine_region, total
 
 
+def _block(width: int) -> int:
+    """A copy step for rows of `width` elements: a power of two (tl.arange needs one), >= 16."""
+    return max(16, 1 << (width - 1).bit_length())
+
+
 def _vector_words(words: list[int], widest: int) -> int:
     """The widest power of two <= `widest` that divides every width in `words`."""
     vec = widest
@@ -125,10 +130,10 @@ class SymmetricBackend(Backend):
         tile = _GPU_TILE if self.device.type == "cuda" else _CPU_TILE
         use_timer = not INTERPRET
         self.shape = KernelShape(R, K, _vector_words([*bf16_words, *fp8_words], 4),
-                                 min(tile["block_w"], max(16, H // 2)), tile["rows"], programs,
+                                 min(tile["block_w"], _block(H // 2)), tile["rows"], programs,
                                  tile["num_warps"], use_timer)
         self.combine_shape = KernelShape(R, K, _vector_words([H], 8),
-                                         min(tile["block_h"], max(16, H)), tile["combine_rows"],
+                                         min(tile["block_h"], _block(H)), tile["combine_rows"],
                                          programs, tile["combine_warps"], use_timer)
 
         flags, dispatch_region, combine_region, nbytes = heap_layout(R, S, H, K)

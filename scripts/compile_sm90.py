@@ -1,0 +1,101 @@
+"""Compile the symmetric backend's kernels for sm_90 (H100/H200) on a machine without a GPU.
+
+    TRITON_INTERPRET=0 PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx DIR]
+
+Triton's NVIDIA backend compiles to PTX and cubin without a driver, so compile errors of the GPU
+path (and codegen properties such as vector width) show here instead of costing device time.
+For each shape (the DeepSeek-V3 one and small test ones, 16-byte-aligned pointers as the
+runtime specializes them) prints one line per kernel: the 16-byte (`.v4`) and 4-byte global
+accesses in its PTX. Exit status 1 if a kernel fails to compile.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+
+os.environ["TRITON_INTERPRET"] = "0"  # before epcomm.kernels: compile, do not interpret
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from epcomm.kernels import combine, dispatch  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine))
+SHAPES = {"dsv3": (8, 8, 512, 1024, 4, 8), "test": (4, 1, 128, 256, 4, 8),
+          "odd": (3, 3, 32, 64, 1, 8)}
+POINTERS = {  # pointer arguments and their element types; every other argument is i32/i64
+    dispatch.dispatch_send_kernel: dict(
+        bases_ptr="i64", sync_ptr="i64", counts_scratch="i32", pos_scratch="i32",
+        idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32", p1_ptr="i32",
+        slot_out="i32", error_ptr="i32"),
+    dispatch.dispatch_receive_kernel: dict(
+        bases_ptr="i64", sync_ptr="i64", hist_ptr="i32", gap_ptr="i32", idx_out="i64",
+        w_out="i32", meta_out="i32", rank_psum_out="i32", expert_count_out="i32",
+        expert_psum_out="i32", p0_out="i32", p1_out="i32", error_ptr="i32"),
+    combine.combine_send_kernel: dict(
+        bases_ptr="i64", sync_ptr="i64", rank_psum_ptr="i32", meta_ptr="i32", x_ptr="i16",
+        weights_ptr="i32", error_ptr="i32"),
+    combine.reduce_kernel: dict(
+        bases_ptr="i64", sync_ptr="i64", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16",
+        out_ptr="i16", w_out="i32", error_ptr="i32"),
+}
+
+
+def _constants(fn, shape) -> tuple[dict, int]:
+    K, R, block_w, block_h, vec, vec_h = shape
+    base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
+                ROWS=16, USE_TIMER=True)
+    if fn in (combine.combine_send_kernel, combine.reduce_kernel):
+        return dict(base, VEC=vec_h, BLOCK_H=block_h), 16
+    extra = dict(BLOCK_M=16, BLOCK_E=64) if fn is dispatch.dispatch_receive_kernel else {}
+    return dict(base, VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), 8
+
+
+def compile_kernel(fn, shape):
+    """The compiled kernel (PTX in `.asm["ptx"]`) of `fn` at `shape`."""
+    constants, num_warps = _constants(fn, shape)
+    pointers = POINTERS[fn]
+    signature = {}
+    for name in fn.arg_names:
+        if name in constants:
+            signature[name] = "constexpr"
+        elif name in pointers:
+            signature[name] = "*" + pointers[name]
+        else:
+            signature[name] = "i64" if name == "timeout" else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if name in pointers}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ptx", help="write each kernel's PTX into this folder")
+    args = parser.parse_args()
+    failed = False
+    for shape_name, shape in SHAPES.items():
+        for fn in POINTERS:
+            try:
+                ptx = compile_kernel(fn, shape).asm["ptx"]
+            except Exception as error:  # noqa: BLE001 - report every kernel, then fail
+                print(f"{shape_name} {fn.__name__}: FAILED {type(error).__name__}: "
+                      f"{str(error).splitlines()[0] if str(error) else ''}")
+                failed = True
+                continue
+            wide = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.", ptx))
+            narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9:_]+)*\.b32\b", ptx))
+            print(f"{shape_name} {fn.__name__}: v4 accesses {wide}, 4-byte accesses {narrow}")
+            if args.ptx:
+                os.makedirs(args.ptx, exist_ok=True)
+                with open(os.path.join(args.ptx, f"{shape_name}-{fn.__name__}.ptx"), "w") as f:
+                    f.write(ptx)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
