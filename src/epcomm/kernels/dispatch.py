@@ -181,23 +181,9 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
         tl.atomic_or(error_ptr, 4)
     tl.debug_barrier()
 
-    # 4. Positions (to the scratch and, as record numbers at their rank, to slot_out), records.
+    # 4. Per tile of tokens: positions (to the scratch, whose rows the stores below read one
+    # destination at a time, and as record numbers at their rank to slot_out), then records.
     running = before
-    for t0 in range(begin, end, ROWS):
-        tt = t0 + tl.arange(0, ROWS)
-        tmask = tt < end
-        t64 = tt.to(tl.int64)
-        ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
-                                                 K, BLOCK_K)
-        pos = tl.where(sent > 0, running[None, :] + exclusive_rows(sent, ROWS), -1)
-        running += total(sent)
-        tl.store(pos_scratch + t64[:, None] * num_ranks + rr[None, :], pos,
-                 mask=tmask[:, None] & rmask[None, :])
-        picked = sum_along(tl.where(dest[:, :, None] == rr[None, None, :], pos[:, None, :], 0), 2)
-        tl.store(slot_out + t64[:, None] * K + kk[None, :],
-                 tl.where(dest >= 0, dest * stride_tokens + picked, -1).to(tl.int32),
-                 mask=tmask[:, None] & kmask[None, :])
-    tl.debug_barrier()
     first_slot = rank * stride_tokens
     for t0 in range(begin, end, ROWS):
         tt = t0 + tl.arange(0, ROWS)
@@ -205,6 +191,16 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
         t64 = tt.to(tl.int64)
         ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
                                                  K, BLOCK_K)
+        positions = tl.where(sent > 0, running[None, :] + exclusive_rows(sent, ROWS), -1)
+        running += total(sent)
+        tl.store(pos_scratch + t64[:, None] * num_ranks + rr[None, :], positions,
+                 mask=tmask[:, None] & rmask[None, :])
+        picked = sum_along(tl.where(dest[:, :, None] == rr[None, None, :],
+                                    positions[:, None, :], 0), 2)
+        tl.store(slot_out + t64[:, None] * K + kk[None, :],
+                 tl.where(dest >= 0, dest * stride_tokens + picked, -1).to(tl.int32),
+                 mask=tmask[:, None] & kmask[None, :])
+        tl.debug_barrier()  # the tile's positions are visible to every thread
         weights = tl.load(weights_ptr + t64[:, None] * K + kk[None, :],
                           mask=flag_mask(tmask[:, None] & kmask[None, :], has_w), other=0)
         for d in range(num_ranks):
@@ -229,8 +225,6 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
         tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
                  sent_total.to(tl.int64), mask=rmask)
     add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
-
-
 
 
 @triton.jit
