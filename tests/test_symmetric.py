@@ -137,6 +137,42 @@ def test_hidden_not_a_power_of_two():
     assert run_local_ranks(_odd_hidden, 2, 2) == [True, True]
 
 
+def _mismatched_max_tokens(num_ranks):
+    """Rank 0 says num_max_tokens_per_rank=M, rank 1 says 2 (a contract violation): rank 1's
+    sync-free outputs hold R * 2 rows, fewer than it receives. The excess is dropped, not written
+    past the outputs, and flagged; the buffer stays usable."""
+    from epcomm.buffer import Buffer
+    rank = dist.get_rank()
+    buffers = [Buffer(dist.group.WORLD, M, H, K, backend=name, timeout_s=30)
+               for name in ("collective", "symmetric")]
+    symm = buffers[1]
+    max_tokens = M if rank == 0 else 2
+    x, _, weights = _data(rank, max_tokens, 4 * num_ranks, False, False, 80)
+    idx = torch.full((max_tokens, K), 4, dtype=torch.int64)  # every token to rank 1
+    recv_x, _, _, handle, _ = symm.dispatch(x, idx, weights, num_experts=4 * num_ranks,
+                                            num_max_tokens_per_rank=max_tokens,
+                                            do_cpu_sync=False)
+    assert recv_x.shape[0] == num_ranks * max_tokens
+    rows = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+    if rank == 1:
+        assert rows == num_ranks * max_tokens  # clamped to the outputs
+        with pytest.raises(errors.EPError, match="different num_max_tokens_per_rank"):
+            symm.check_errors()
+    else:
+        assert rows == 0
+        symm.check_errors()
+    symm.combine(recv_x, handle)
+    symm.check_errors()
+    x, idx, weights = _data(rank, M - 1, 4 * num_ranks, False, False, 81)
+    _roundtrip(buffers, x, idx, weights, 4 * num_ranks, dict(do_cpu_sync=False), None,
+               f"rank {rank} after the overflow")
+    return True
+
+
+def test_rows_past_the_outputs_are_dropped_and_flagged():
+    assert run_local_ranks(_mismatched_max_tokens, 2, 2) == [True, True]
+
+
 def _interleaved(num_ranks):
     from epcomm.buffer import Buffer
     rank = dist.get_rank()

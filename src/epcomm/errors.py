@@ -6,6 +6,7 @@ INVALID_EXPERT_ID = 1  # an expert id outside [-1, num_experts) was treated as -
 EXPAND_OVERFLOW = 2    # repeated expert ids needed more expand rows than the capacity
 DISPATCH_TIMEOUT = 4   # a peer did not arrive within the buffer's timeout, in a dispatch
 COMBINE_TIMEOUT = 8    # ... in a combine
+RECEIVE_OVERFLOW = 16  # peers sent more rows than R * num_max_tokens_per_rank of this rank
 WAIT_TIMEOUT = DISPATCH_TIMEOUT | COMBINE_TIMEOUT
 
 _FLAG_TEXT = {
@@ -14,6 +15,9 @@ _FLAG_TEXT = {
                      "the excess rows were dropped",
     DISPATCH_TIMEOUT: "dispatch: a peer did not arrive within the buffer timeout",
     COMBINE_TIMEOUT: "combine: a peer did not arrive within the buffer timeout",
+    RECEIVE_OVERFLOW: "peers sent more rows than R * num_max_tokens_per_rank of this rank (the "
+                      "ranks passed different num_max_tokens_per_rank); the excess rows were "
+                      "dropped",
 }
 
 

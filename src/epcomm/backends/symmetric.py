@@ -42,7 +42,7 @@ from ..symm_heap import SymmetricHeap, all_gather_objects, heap_reachable
 from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
 
 FP8_BLOCK = 128
-_NO_CAPACITY = 2**31 - 1  # expand rows of exact-size compact outputs: every pair fits
+_NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, counting pass)
 # Tiles of the GPU kernels: 16 rows x 512 words (32 KB of loads in flight per program; 7168
 # bf16 is exactly 7 steps), 16 rows x 1024 bf16 in combine (16 warps for the fp32 sums).
 _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=1024,
@@ -253,7 +253,7 @@ class SymmetricBackend(Backend):
         elif sync:
             dispatch_kernels.receive(
                 self.shape, self.dispatch_stage, self._sync, hist, self._gap_scratch, layout,
-                full=False, capacity=0, out_rows=0, zero_padding=False, tail=False,
+                full=False, capacity=0, out_rows=_NO_CAPACITY, zero_padding=False, tail=False,
                 idx_out=None, weights_out=None, metadata=slots, rows_out=[], **receive)
             num_rows = rank_psum[-1].item()  # the host sync the caller asked for
             self._raise_on_timeout("dispatch")

@@ -332,8 +332,11 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
         >= call * num_programs
     counts = tl.load(own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr),
                      mask=rmask & arrived, other=0, volatile=True).to(tl.int32)
-    psum = running_total(counts)
-    num_rows = total(counts)
+    received = total(counts)
+    if received > out_rows:  # only if ranks passed different num_max_tokens_per_rank
+        tl.atomic_or(error_ptr, 16)  # errors.RECEIVE_OVERFLOW: rows past the outputs dropped
+    psum = tl.minimum(running_total(counts), out_rows)
+    num_rows = tl.minimum(received, out_rows)
     if pid == 0:
         tl.store(rank_psum_out + rr, psum, mask=rmask)
     begin, end = program_chunk(num_rows)
@@ -522,7 +525,10 @@ def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, l
     weights_out (compact [out_rows, K], expand [capacity] fp32, or None) and rows_out (the
     payload tensors: out_rows (compact) or capacity (expand) rows). `capacity`: expand rows that
     exist (pairs past it are dropped and flagged). `tail`: rows past the received prefix get
-    -1 / 0 (sync-free outputs). hist_scratch: int32 [P * E_l]; gap_scratch: int32 [P * 128].
+    -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
+    num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
+    passes a bound it cannot reach. hist_scratch: int32 [2 * P * E_l]; gap_scratch: int32
+    [P * 128].
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send` example): rank_psum = [1],
     expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4], idx_out = [[0, 3]],
