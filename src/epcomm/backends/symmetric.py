@@ -180,8 +180,10 @@ class SymmetricBackend(Backend):
         dev, i32 = self.device, torch.int32
         scratch = torch.zeros(6, dtype=torch.int64, device=dev)  # counters of one rank
         bases = torch.tensor([scratch.data_ptr()], dtype=torch.int64, device=dev)
-        dispatch = Stage(bases, 0, 0, 0, 0)
-        combine = Stage(bases, 0, 3 * 8, 0, 0)
+        # The real region offsets and stride (never dereferenced with no tokens): Triton types an
+        # int argument i32 or i64 by its value, so they select the variants the calls will use.
+        dispatch = Stage(bases, 0, 0, self.dispatch_stage.region_offset, self.stride_tokens)
+        combine = Stage(bases, 0, 3 * 8, self.combine_stage.region_offset, self.stride_tokens)
         sync = torch.zeros(8, dtype=torch.int64, device=dev)
         error = torch.zeros((), dtype=i32, device=dev)
         rows = [torch.empty(0, H, dtype=torch.bfloat16, device=dev)]

@@ -43,9 +43,10 @@ class Launcher:
             try:
                 compiled[self.grid](*args, *self.tail)
                 return
-            except TypeError:
-                # A Triton whose compiled kernels take their arguments differently (the
-                # launcher rejects them before launching): use the generic path from now on.
+            except (TypeError, OverflowError):
+                # Rejected before launching: a Triton whose compiled kernels take their
+                # arguments differently, or an int that no longer fits the variant's i32 (the
+                # generic path picks the i64 one). Use the generic path from now on.
                 self.fast = False
         compiled = self.fn[self.grid](*args, **self.constants)
         if self.fast and variant is not None:
