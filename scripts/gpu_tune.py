@@ -8,11 +8,13 @@
    constants in `backends/symmetric.py` cite the winner.
 2. With `--host`: the median host time of pieces of a call with the GPU idle before each (a
    torch.empty, a stream switch, an empty Triton launch with as many arguments as ours, a whole
-   dispatch and combine), then a cProfile of ten dispatches by cumulative time.
+   dispatch and combine), then where the host time of a dispatch and of a combine goes
+   (inclusive time of the layers and torch calls it makes, by wrapping them).
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import time
 
 import torch
@@ -100,9 +102,6 @@ def _median_host(fn, iters=20):
 
 
 def host(tokens, hidden, topk, experts):
-    import cProfile
-    import pstats
-
     from epcomm.buffer import Buffer
 
     device = torch.device("cuda", torch.cuda.current_device())
@@ -136,16 +135,70 @@ def host(tokens, hidden, topk, experts):
     print("| host piece | median us |\n|---|---|")
     for name, fn in pieces:
         print(f"| {name} | {_median_host(fn):.1f} |")
-    profiler = cProfile.Profile()
-    for _ in range(10):
+    for name, call in (("dispatch", dispatch), ("combine", combine)):
+        print(f"\nInclusive host us per {name} call (10 calls, GPU idle before each):")
+        print(_breakdown(call))
+
+
+class _Timers:
+    """Inclusive host time of chosen callables, summed while they are wrapped."""
+
+    def __init__(self) -> None:
+        self.seconds = collections.defaultdict(float)
+        self.calls = collections.Counter()
+        self._undo = []
+
+    def wrap(self, owner, name: str, label: str) -> None:
+        original = getattr(owner, name)
+
+        def timed(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.seconds[label] += time.perf_counter() - begin
+                self.calls[label] += 1
+
+        setattr(owner, name, timed)
+        self._undo.append((owner, name, original))
+
+    def restore(self) -> None:
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def _breakdown(call, iters: int = 10) -> str:
+    from epcomm.backends.base import OutputAllocator
+    from epcomm.backends.symmetric import SymmetricBackend
+    from epcomm.buffer import Buffer
+    from epcomm.kernels.launcher import Launcher
+    timers = _Timers()
+    for owner, name, label in [
+            (Buffer, "dispatch", "Buffer.dispatch"), (Buffer, "combine", "Buffer.combine"),
+            (Buffer, "_validate_dispatch", "  validation"), (Buffer, "_launch", "  _launch"),
+            (SymmetricBackend, "dispatch", "    backend dispatch"),
+            (SymmetricBackend, "combine", "    backend combine"),
+            (Launcher, "__call__", "      kernel launch"),
+            (OutputAllocator, "_make", "      output allocation"),
+            (torch, "empty", "        torch.empty"),
+            (torch.Tensor, "record_stream", "    record_stream"),
+            (torch.cuda.Stream, "wait_stream", "    wait_stream"),
+            (torch.cuda.Event, "record", "    event record"),
+            (torch.cuda, "current_stream", "    current_stream"),
+            (torch.cuda, "set_stream", "    set_stream")]:
+        timers.wrap(owner, name, label)
+    try:
+        for _ in range(iters):
+            torch.cuda.synchronize()
+            call()
         torch.cuda.synchronize()
-        profiler.enable()
-        dispatch()
-        profiler.disable()
-    torch.cuda.synchronize()
-    stats = pstats.Stats(profiler)
-    stats.sort_stats("cumulative").print_stats(30)
-    stats.sort_stats("tottime").print_stats(25)
+    finally:
+        timers.restore()
+    lines = ["| piece (nested by indent) | us per call | calls per call |", "|---|---|---|"]
+    for label, seconds in timers.seconds.items():
+        lines.append(f"| {label} | {seconds / iters * 1e6:.1f} | "
+                     f"{timers.calls[label] / iters:.1f} |")
+    return "\n".join(lines)
 
 
 def main():
