@@ -30,7 +30,7 @@ import triton.language as tl
 from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, program_chunk, sum_along)
 from .launcher import KernelShape, Stage, aligned
-from .sync import add_counters, own_counters, peer_counters, wait_counters
+from .sync import COMBINE_TIMEOUT, add_counters, await_counters, own_counters, peer_counters
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
 
@@ -73,10 +73,8 @@ def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset,
     hidden = tl.multiple_of(hidden, VEC)
     call = tl.atomic_add(sync_ptr + SYNC_COMBINE, 1, sem="relaxed", scope="gpu") \
         // num_programs + 1
-    if not wait_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                         (call - 1) * num_programs, timeout, USE_TIMER):
-        tl.atomic_or(error_ptr, 8)  # errors.COMBINE_TIMEOUT
-    tl.debug_barrier()
+    await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
+                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout, USE_TIMER)
 
     psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
@@ -140,10 +138,8 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
     kmask = kk < K
     hidden = tl.multiple_of(hidden, VEC)
     call = tl.load(sync_ptr + SYNC_COMBINE) // num_programs
-    if not wait_counters(own_counters(bases_ptr, rank, flags_offset, rr), rmask,
-                         call * num_programs, timeout, USE_TIMER):
-        tl.atomic_or(error_ptr, 8)  # errors.COMBINE_TIMEOUT
-    tl.debug_barrier()
+    await_counters(own_counters(bases_ptr, rank, flags_offset, rr), rmask, call * num_programs,
+                   error_ptr, COMBINE_TIMEOUT, timeout, USE_TIMER)
 
     base = tl.load(bases_ptr + rank) + region_offset
     begin, end = program_chunk(num_tokens)

@@ -43,7 +43,8 @@ import triton.language as tl
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      program_chunk, running_total, sum_along, total, word_ptrs)
 from .launcher import KernelShape, Stage, aligned
-from .sync import add_counters, grid_barrier, own_counters, peer_counters, wait_counters
+from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE_OVERFLOW,
+                   add_counters, await_counters, grid_barrier, own_counters, peer_counters)
 
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
 
@@ -165,8 +166,8 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
             tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=mask), mask=mask)
     tl.store(counts_scratch + pid * BLOCK_R + rr, sent_here)
     if bad > 0:
-        tl.atomic_or(error_ptr, 1)  # errors.INVALID_EXPERT_ID
-    call = grid_barrier(sync_ptr + 0, error_ptr, 4, timeout, USE_TIMER)  # DISPATCH_TIMEOUT
+        tl.atomic_or(error_ptr, INVALID_EXPERT_ID)
+    call = grid_barrier(sync_ptr + 0, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
     # 2. This chunk's first position per destination, and every destination's total.
     pp = tl.arange(0, BLOCK_P)  # every program's counts in one load: one L2 round trip
@@ -176,10 +177,8 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
     sent_total = total(counts)
 
     # 3. Every destination has copied out what this rank pushed the call before.
-    if not wait_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                         (call - 1) * num_programs, timeout, USE_TIMER):
-        tl.atomic_or(error_ptr, 4)
-    tl.debug_barrier()
+    await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
+                   (call - 1) * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
     # 4. Per tile of tokens: positions (to the scratch, whose rows the stores below read one
     # destination at a time, and as record numbers at their rank to slot_out), then records.
@@ -325,16 +324,16 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
     # 1. Every source's records of this call have arrived; their counts.
     call = tl.load(sync_ptr + 0) // num_programs  # the send barrier: P per call
     ready = own_counters(bases_ptr, rank, flags_offset, rr)
-    if not wait_counters(ready, rmask, call * num_programs, timeout, USE_TIMER):
-        tl.atomic_or(error_ptr, 4)  # errors.DISPATCH_TIMEOUT; late sources count as empty
-    tl.debug_barrier()
+    # Late sources count as empty.
+    await_counters(ready, rmask, call * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout,
+                   USE_TIMER)
     arrived = tl.atomic_add(ready, 0, mask=rmask, sem="acquire", scope="sys") \
         >= call * num_programs
     counts = tl.load(own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr),
                      mask=rmask & arrived, other=0, volatile=True).to(tl.int32)
     received = total(counts)
     if received > out_rows:  # only if ranks passed different num_max_tokens_per_rank
-        tl.atomic_or(error_ptr, 16)  # errors.RECEIVE_OVERFLOW: rows past the outputs dropped
+        tl.atomic_or(error_ptr, RECEIVE_OVERFLOW)  # rows past the outputs are dropped
     psum = tl.minimum(running_total(counts), out_rows)
     num_rows = tl.minimum(received, out_rows)
     if pid == 0:
@@ -375,7 +374,7 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
                 copy_rows(word_ptrs(rec + off1 * 4, VEC),
                           word_ptrs(p1_out + tl.multiple_of(n64 * w1, VEC), VEC), nmask, w1,
                           VEC, BLOCK_W)
-    grid_barrier(sync_ptr + barrier_slot, error_ptr, 4, timeout, USE_TIMER)
+    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
     # 3. Per-expert totals (BLOCK_E experts at a time, so E_l never recompiles) and this
     # program's first expand row per expert; alignment gaps of the experts e % P == pid.
@@ -442,7 +441,7 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
                      tl.where(fits, target, -1), mask=keys >= 0)
             tl.debug_barrier()
     if overflow > 0:
-        tl.atomic_or(error_ptr, 2)  # errors.EXPAND_OVERFLOW
+        tl.atomic_or(error_ptr, EXPAND_OVERFLOW)
 
     if full != 0:
         tl.debug_barrier()

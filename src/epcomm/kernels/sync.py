@@ -15,7 +15,15 @@ under the SM count (GPU) and at 1 under the interpreter, which runs programs one
 import triton
 import triton.language as tl
 
+from .. import errors
 from .common import total
+
+# `errors` bits as values kernels can read (a kernel may only use constexpr globals).
+INVALID_EXPERT_ID = tl.constexpr(errors.INVALID_EXPERT_ID)
+EXPAND_OVERFLOW = tl.constexpr(errors.EXPAND_OVERFLOW)
+DISPATCH_TIMEOUT = tl.constexpr(errors.DISPATCH_TIMEOUT)
+COMBINE_TIMEOUT = tl.constexpr(errors.COMBINE_TIMEOUT)
+RECEIVE_OVERFLOW = tl.constexpr(errors.RECEIVE_OVERFLOW)
 
 
 @triton.jit
@@ -45,6 +53,16 @@ def wait_counters(ptrs, mask, target, timeout, USE_TIMER: tl.constexpr):
 
 
 @triton.jit
+def await_counters(ptrs, mask, target, error_ptr, error_bit, timeout, USE_TIMER: tl.constexpr):
+    """`wait_counters`, then on a timeout OR `error_bit` into the error flag (the caller goes on:
+    a late counter reads as not arrived), then a barrier so that every thread of the program
+    reads what the counters guard only after them."""
+    if not wait_counters(ptrs, mask, target, timeout, USE_TIMER):
+        tl.atomic_or(error_ptr, error_bit)
+    tl.debug_barrier()
+
+
+@triton.jit
 def add_counters(ptrs, mask):
     """Add 1 to every counter `ptrs[i]` (where `mask`), releasing at system scope everything
     this program wrote or read before (the barrier first orders all its threads' accesses)."""
@@ -61,10 +79,8 @@ def grid_barrier(counter_ptr, error_ptr, error_bit, timeout, USE_TIMER: tl.const
     old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     call = old // num_programs + 1
     one = tl.arange(0, 2) < 1  # a 1-element view: wait_counters works on blocks
-    if not wait_counters(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, timeout,
-                         USE_TIMER):
-        tl.atomic_or(error_ptr, error_bit)
-    tl.debug_barrier()
+    await_counters(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, error_ptr,
+                   error_bit, timeout, USE_TIMER)
     return call
 
 
