@@ -86,13 +86,18 @@ def _roundtrip(buffers, x, idx, weights, num_experts, opts, biases, what):
     return got, want
 
 
+def _buffer_pair(hidden=H):
+    """A collective and a symmetric buffer over the world group: the reference, the tested."""
+    from epcomm.buffer import Buffer
+    return [Buffer(dist.group.WORLD, M, hidden, K, backend=name, timeout_s=30)
+            for name in ("collective", "symmetric")]
+
+
 def _matrix(num_ranks):
     from epcomm.buffer import Buffer
     rank = dist.get_rank()
-    group = dist.group.WORLD
     num_experts = 4 * num_ranks
-    buffers = [Buffer(group, M, H, K, backend=name, timeout_s=30)
-               for name in ("collective", "symmetric")]
+    buffers = _buffer_pair()
     # One program per launch under the interpreter (it runs programs one after another).
     assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 1
     assert buffers[1]._impl.heap_bytes == Buffer.get_buffer_size_hint(num_ranks, M, H, K)
@@ -120,10 +125,8 @@ def test_matches_collective(num_ranks):
 def _odd_hidden(num_ranks):
     """Row widths that are not powers of two (hidden 40: 20 bf16 words, 10 FP8 words, one
     scale): copy steps are rounded up to powers of two and masked."""
-    from epcomm.buffer import Buffer
     rank, hidden, num_experts = dist.get_rank(), 40, 4 * num_ranks
-    buffers = [Buffer(dist.group.WORLD, M, hidden, K, backend=name, timeout_s=30)
-               for name in ("collective", "symmetric")]
+    buffers = _buffer_pair(hidden)
     for seed, (expand, fp8) in enumerate(itertools.product((False, True), (False, True))):
         x, idx, weights = _data(rank, M - rank, num_experts, fp8, False, 70 + seed,
                                 hidden=hidden)
@@ -141,10 +144,8 @@ def _mismatched_max_tokens(num_ranks):
     """Rank 0 says num_max_tokens_per_rank=M, rank 1 says 2 (a contract violation): rank 1's
     sync-free outputs hold R * 2 rows, fewer than it receives. The excess is dropped, not written
     past the outputs, and flagged; the buffer stays usable."""
-    from epcomm.buffer import Buffer
     rank = dist.get_rank()
-    buffers = [Buffer(dist.group.WORLD, M, H, K, backend=name, timeout_s=30)
-               for name in ("collective", "symmetric")]
+    buffers = _buffer_pair()
     symm = buffers[1]
     max_tokens = M if rank == 0 else 2
     x, _, weights = _data(rank, max_tokens, 4 * num_ranks, False, False, 80)
@@ -174,12 +175,9 @@ def test_rows_past_the_outputs_are_dropped_and_flagged():
 
 
 def _interleaved(num_ranks):
-    from epcomm.buffer import Buffer
     rank = dist.get_rank()
-    group = dist.group.WORLD
     num_experts = 2 * num_ranks
-    buffers = [Buffer(group, M, H, K, backend=name, timeout_s=30)
-               for name in ("collective", "symmetric")]
+    buffers = _buffer_pair()
     from epcomm.backends.symmetric import symmetric_supported
     assert symmetric_supported(buffers[1])  # collective: every rank asks
     # Dispatches whose outputs must survive later calls through the same buffer.
