@@ -145,10 +145,10 @@ class SymmetricBackend(Backend):
         dev, i32 = self.device, torch.int32
         self._flags = torch.zeros((), dtype=i32, device=dev)
         self._sync = torch.zeros(8, dtype=torch.int64, device=dev)
-        block_r = 1 << (R - 1).bit_length()
-        self._counts_scratch = torch.zeros(programs * block_r, dtype=i32, device=dev)
+        self._counts_scratch = torch.zeros(programs * self.shape.block_r, dtype=i32, device=dev)
         self._pos_scratch = torch.zeros(S * R, dtype=i32, device=dev)
-        self._gap_scratch = torch.zeros(programs * 128, dtype=i32, device=dev)
+        self._gap_scratch = torch.zeros(
+            programs * dispatch_kernels.GAP_SCRATCH_PER_PROGRAM, dtype=i32, device=dev)
         self._hist_scratch = torch.zeros(0, dtype=i32, device=dev)
         if self.device.type == "cuda":
             self._warm_up()

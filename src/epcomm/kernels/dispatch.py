@@ -510,6 +510,7 @@ def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, to
 
 
 _BLOCK_E = 64  # experts per step of the receive-side histogram and scan
+GAP_SCRATCH_PER_PROGRAM = 2 * _BLOCK_E  # int32: one chunk's gap starts and lengths
 
 
 def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, layout, *,
@@ -527,7 +528,7 @@ def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, l
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
     num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
     passes a bound it cannot reach. hist_scratch: int32 [2 * P * E_l]; gap_scratch: int32
-    [P * 128].
+    [P * GAP_SCRATCH_PER_PROGRAM].
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send` example): rank_psum = [1],
     expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4], idx_out = [[0, 3]],

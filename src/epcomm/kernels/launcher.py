@@ -71,9 +71,14 @@ class KernelShape:
     def constants(self, width: str = "BLOCK_W") -> dict:
         """Keyword arguments of a launch; `width` names the kernel's copy-step constant."""
         return {"K": self.num_topk, "BLOCK_K": triton.next_power_of_2(self.num_topk),
-                "BLOCK_R": triton.next_power_of_2(self.num_ranks), "ROWS": self.rows,
+                "BLOCK_R": self.block_r, "ROWS": self.rows,
                 "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
                 "num_warps": self.num_warps}
+
+    @property
+    def block_r(self) -> int:
+        """The ranks as one block (lanes past R are masked)."""
+        return triton.next_power_of_2(self.num_ranks)
 
     @property
     def block_p(self) -> int:
