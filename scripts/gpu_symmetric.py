@@ -98,7 +98,7 @@ def check_ranks(tokens, hidden, topk, experts):
     """One rank of the correctness check; returns seconds spent."""
     from epcomm.buffer import Buffer
     start = time.time()
-    rank, R = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
     group = dist.group.WORLD
     coll = Buffer(group, tokens, hidden, topk, backend="collective", timeout_s=120)

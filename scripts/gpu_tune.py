@@ -9,12 +9,16 @@
 2. With `--host`: the median host time of pieces of a call with the GPU idle before each (a
    torch.empty, a stream switch, an empty Triton launch with as many arguments as ours, a whole
    dispatch and combine), then where the host time of a dispatch and of a combine goes
-   (inclusive time of the layers and torch calls it makes, by wrapping them).
+   (inclusive time of the layers and torch calls it makes, by wrapping them), a cProfile of
+   each, and whether every launch after warm-up skipped Triton's generic launch path.
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
+import os
+import pstats
 import time
 
 import torch
@@ -138,6 +142,15 @@ def host(tokens, hidden, topk, experts):
     for name, call in (("dispatch", dispatch), ("combine", combine)):
         print(f"\nInclusive host us per {name} call (10 calls, GPU idle before each):")
         print(_breakdown(call))
+    for name, call in (("dispatch", dispatch), ("combine", combine)):
+        print(f"\ncProfile of 50 {name} calls, by own time (us per call include its overhead):")
+        print(_profile(call))
+    print("\nLaunchers: compiled variants kept, generic launches, why the fast path is off")
+    print("| kernel | variants | generic launches | fallback |\n|---|---|---|---|")
+    for shape in (buffer._impl.shape, buffer._impl.combine_shape):
+        for launcher in shape.launchers.values():
+            print(f"| {getattr(launcher.fn, '__name__', launcher.fn)} | {len(launcher.compiled)} "
+                  f"| {launcher.generic_launches} | {launcher.fallback} |")
 
 
 class _Timers:
@@ -167,6 +180,24 @@ class _Timers:
             setattr(owner, name, original)
 
 
+def _profile(call, iters: int = 50, top: int = 25) -> str:
+    profile = cProfile.Profile()
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        profile.enable()
+        call()
+        profile.disable()
+    torch.cuda.synchronize()
+    rows = sorted(pstats.Stats(profile).stats.items(), key=lambda item: -item[1][2])[:top]
+    lines = ["| function | calls per call | own us per call | inclusive us per call |",
+             "|---|---|---|---|"]
+    for (file, line, function), (_, calls, own, inclusive, _) in rows:
+        where = f"{os.path.basename(file)}:{line}({function})" if line else function
+        lines.append(f"| {where} | {calls / iters:.1f} | {own / iters * 1e6:.1f} | "
+                     f"{inclusive / iters * 1e6:.1f} |")
+    return "\n".join(lines)
+
+
 def _breakdown(call, iters: int = 10) -> str:
     from epcomm.backends.base import OutputAllocator
     from epcomm.backends.symmetric import SymmetricBackend
@@ -182,9 +213,9 @@ def _breakdown(call, iters: int = 10) -> str:
             (OutputAllocator, "_make", "      output allocation"),
             (torch, "empty", "        torch.empty"),
             (torch.Tensor, "record_stream", "    record_stream"),
-            (torch.cuda.Stream, "wait_stream", "    wait_stream"),
+            (torch.cuda.Stream, "wait_event", "    wait_event"),
             (torch.cuda.Event, "record", "    event record"),
-            (torch.cuda, "current_stream", "    current_stream"),
+            (Buffer, "_current_stream", "    _current_stream"),
             (torch.cuda, "set_stream", "    set_stream")]:
         timers.wrap(owner, name, label)
     try:

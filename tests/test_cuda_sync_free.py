@@ -135,3 +135,58 @@ def run_invalid_ids(backend: str, seed: int) -> str:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_invalid_ids_flagged_not_read_back(backend: str) -> None:
     assert run_local_ranks(run_invalid_ids, 1, backend, SEED, pg_backend="nccl") == ["ok"]
+
+
+def run_early_drop(backend: str, seed: int) -> int:
+    """Inputs and outputs of a call with `async_with_compute_stream=False` may be dropped as soon
+    as it returns, while the comm stream has not yet run it: the allocator hands their blocks to
+    the next allocations of the current stream, which waits for the comm stream first (the
+    library calls no `record_stream` in that case). Each call's results equal those of the same
+    call with every tensor kept alive."""
+    buffer = Buffer(dist.group.WORLD, 256, 512, 4, backend=backend)
+    comm = buffer.get_comm_stream()
+
+    def busy_comm_stream() -> None:
+        with torch.cuda.stream(comm):
+            torch.cuda._sleep(50_000_000)  # about 25 ms: the call below is queued behind it
+
+    def overwrite_freed(*like: torch.Tensor) -> None:
+        for tensor in like:  # the freed blocks, refilled on the current stream
+            torch.empty_like(tensor).fill_(7)
+
+    checked = 0
+    for expand in (False, True):
+        case = Case(num_experts=8, do_cpu_sync=False, do_expand=expand, do_zero_padding=True,
+                    seed=seed + checked)
+        x, idx, w, _ = make_inputs(buffer, case)
+        kwargs = dict(num_experts=8, do_cpu_sync=False, do_expand=expand, do_zero_padding=True)
+        want_x, want_idx, want_w, want_handle, _ = buffer.dispatch(x, idx, w, **kwargs)
+        want_out, want_out_w, _ = buffer.combine(want_x, want_handle, topk_weights=want_w)
+        torch.cuda.synchronize()
+
+        inputs = [x.clone(), idx.clone(), w.clone()]
+        busy_comm_stream()
+        recv_x, recv_idx, recv_w, handle, _ = buffer.dispatch(*inputs, **kwargs)
+        del inputs
+        overwrite_freed(x, idx, w)
+        torch.cuda.synchronize()
+        for name, got, want in (("recv_x", recv_x, want_x), ("recv_topk_idx", recv_idx, want_idx),
+                                ("recv_topk_weights", recv_w, want_w)):
+            if want is not None or got is not None:  # (no recv_topk_idx in the expand layout)
+                assert_equal(f"{name} after its inputs were dropped", got, want)
+
+        combine_inputs = [recv_x.clone(), recv_w.clone()]
+        busy_comm_stream()
+        out, out_w, _ = buffer.combine(combine_inputs[0], handle, topk_weights=combine_inputs[1])
+        del combine_inputs
+        overwrite_freed(recv_x, recv_w)
+        torch.cuda.synchronize()
+        assert_equal("combined_x after its inputs were dropped", out, want_out)
+        assert_equal("combined weights after its inputs were dropped", out_w, want_out_w)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inputs_dropped_after_a_call_stay_safe(backend: str) -> None:
+    assert run_local_ranks(run_early_drop, 1, backend, SEED, pg_backend="nccl") == [2]

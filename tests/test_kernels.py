@@ -13,7 +13,6 @@ import torch  # noqa: E402
 from epcomm import errors  # noqa: E402
 from epcomm.kernels import INTERPRET  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
-from epcomm.kernels import launcher  # noqa: E402
 from epcomm.kernels.launcher import KernelShape, Launcher, Stage  # noqa: E402
 from epcomm.kernels.sync import timeout_units  # noqa: E402
 
@@ -201,13 +200,18 @@ def test_launcher_reuses_the_compiled_variant():
     x, layout, _ = _send_example(rank)
     out = _receive(rank, layout)
     assert out["metadata"].tolist() == [[0, 1, 0, 2]]
-    cached = [kept for kept in launcher._LAUNCHERS.values()
+    cached = [kept for kept in SHAPE.launchers.values()
               if kept.fn is dispatch.dispatch_receive_kernel and kept.compiled]
     assert bool(cached) == (not INTERPRET)  # the interpreter has nothing to keep
+    generic = {id(kept): kept.generic_launches for kept in SHAPE.launchers.values()}
     for call in range(2):  # a second round trip reuses both kernels
         _send_example(rank)
         again = _receive(rank, layout)
         assert again["metadata"].tolist() == [[0, 1, 0, 2]], call
         assert torch.equal(again["rows_out"][0], x[:1])
+    if not INTERPRET:  # ... without Triton's generic launch
+        assert all(kept.fallback is None and kept.generic_launches == generic[id(kept)]
+                   for kept in SHAPE.launchers.values()), \
+            [(kept.fn, kept.fallback) for kept in SHAPE.launchers.values()]
     assert rank.counters(0) == [3, 3, 1] and int(rank.error) == 0
     assert Launcher(dispatch.dispatch_send_kernel, 1, {}).fast == (not INTERPRET)

@@ -24,22 +24,18 @@ _comm_streams: dict[int, "torch.cuda.Stream"] = {}
 FP8_BLOCK = 128
 
 
-def _require(ok: bool, message) -> None:
-    """Raise ValueError(message) unless ok; `message` may be a callable that builds it (so a
-    passing check costs no string formatting: calls are on the per-call host path)."""
-    if not ok:
-        raise ValueError(message() if callable(message) else message)
-
 
 def _check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
                   device: torch.device) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, got {tensor.dtype}")
-    _require(tensor.dim() == ndim, lambda: f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
-    _require(tensor.device == device,
-             lambda: f"{name} must be on {device} (the buffer's device), got {tensor.device}")
+        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, "
+                        f"got {tensor.dtype}")
+    if tensor.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on {device} (the buffer's device), got {tensor.device}")
 
 
 class Buffer:
@@ -68,10 +64,11 @@ class Buffer:
                  timeout_s: float = 100.0) -> None:
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
                             ("hidden", hidden), ("num_topk", num_topk)):
-            _require(isinstance(value, int) and value > 0,
-                     lambda: f"{name} must be a positive int, got {value!r}")
-        _require(backend in ("auto", "collective", "symmetric"),
-                 lambda: f"backend must be 'auto', 'collective' or 'symmetric', got {backend!r}")
+            if not (isinstance(value, int) and value > 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if backend not in ("auto", "collective", "symmetric"):
+            raise ValueError("backend must be 'auto', 'collective' or 'symmetric', "
+                             f"got {backend!r}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -90,6 +87,8 @@ class Buffer:
         self.avoid_record_stream = os.environ.get("EP_AVOID_RECORD_STREAM", "0") == "1"
         self.buffer_id = next(_buffer_ids)
         self._pending: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
+        self._streams: dict[int, "torch.cuda.Stream"] = {}  # raw handle -> Stream
+        self._entry_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self.num_sms = num_sms
         self._impl = make_backend(backend, self)
         self.num_sms = getattr(self._impl, "num_sms", num_sms)
@@ -170,60 +169,68 @@ class Buffer:
                            allocate_on_comm_stream):
         dev = self.device
         if isinstance(x, (tuple, list)):
-            _require(len(x) == 2, "x must be a bf16 tensor or a tuple (x_fp8, scales)")
+            if len(x) != 2:
+                raise ValueError("x must be a bf16 tensor or a tuple (x_fp8, scales)")
             x_fp8, scales = x
             _check_tensor("x[0] (FP8 rows)", x_fp8, (torch.float8_e4m3fn,), 2, dev)
             _check_tensor("x[1] (FP8 scales)", scales, (torch.float32, torch.int32), 2, dev)
             expect = (x_fp8.shape[0], math.ceil(x_fp8.shape[1] / FP8_BLOCK))
-            _require(tuple(scales.shape) == expect,
-                     lambda: f"x[1] (FP8 scales) must have shape {expect}, got {tuple(scales.shape)}")
+            if scales.shape != expect:
+                raise ValueError(f"x[1] (FP8 scales) must have shape {expect}, "
+                                 f"got {tuple(scales.shape)}")
             rows = [x_fp8, scales]
         else:
             _check_tensor("x", x, (torch.bfloat16,), 2, dev)
             rows = [x]
         num_tokens, hidden = rows[0].shape
-        _require(hidden == self.hidden, lambda: f"x must have hidden size {self.hidden}, got {hidden}")
-        _require(num_tokens <= max_tokens,
-                 lambda: f"x has {num_tokens} tokens, more than num_max_tokens_per_rank={max_tokens}")
-        _require(isinstance(expert_alignment, int) and expert_alignment >= 1,
-                 lambda: f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-        if previous_event is not None:
-            _require(allocate_on_comm_stream,
-                     "previous_event requires allocate_on_comm_stream=True")
+        if hidden != self.hidden:
+            raise ValueError(f"x must have hidden size {self.hidden}, got {hidden}")
+        if num_tokens > max_tokens:
+            raise ValueError(f"x has {num_tokens} tokens, more than "
+                             f"num_max_tokens_per_rank={max_tokens}")
+        if not (isinstance(expert_alignment, int) and expert_alignment >= 1):
+            raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
+        if previous_event is not None and not allocate_on_comm_stream:
+            raise ValueError("previous_event requires allocate_on_comm_stream=True")
         if handle is not None:
             self._validate_handle(handle, num_tokens)
-            _require(num_experts is None or num_experts == handle.num_experts,
-                     lambda: f"num_experts={num_experts} differs from the handle's {handle.num_experts}")
-            _require(max_tokens == handle.num_max_tokens_per_rank,
-                     lambda: f"num_max_tokens_per_rank={max_tokens} differs from the handle's "
-                     f"{handle.num_max_tokens_per_rank}")
+            if num_experts is not None and num_experts != handle.num_experts:
+                raise ValueError(f"num_experts={num_experts} differs from the handle's "
+                                 f"{handle.num_experts}")
+            if max_tokens != handle.num_max_tokens_per_rank:
+                raise ValueError(f"num_max_tokens_per_rank={max_tokens} differs from the handle's "
+                                 f"{handle.num_max_tokens_per_rank}")
             topk_idx = handle.topk_idx
         else:
-            _require(isinstance(num_experts, int) and num_experts > 0,
-                     lambda: f"num_experts must be a positive int, got {num_experts!r}")
-            _require(num_experts % self.num_ranks == 0,
-                     lambda: f"num_experts={num_experts} must be divisible by the group size {self.num_ranks}")
+            if not (isinstance(num_experts, int) and num_experts > 0):
+                raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+            if num_experts % self.num_ranks != 0:
+                raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
+                                 f"{self.num_ranks}")
             if topk_idx is None:
                 raise ValueError("topk_idx is required unless a handle is given")
             _check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, dev)
-            _require(tuple(topk_idx.shape) == (num_tokens, self.num_topk),
-                     lambda: f"topk_idx must have shape {(num_tokens, self.num_topk)}, got {tuple(topk_idx.shape)}")
+            if topk_idx.shape != (num_tokens, self.num_topk):
+                raise ValueError(f"topk_idx must have shape {(num_tokens, self.num_topk)}, "
+                                 f"got {tuple(topk_idx.shape)}")
             if dev.type == "cpu" or do_cpu_sync:
-                bad = ((topk_idx < -1) | (topk_idx >= num_experts)).any()
-                _require(not bool(bad), lambda: f"topk_idx holds expert ids outside [-1, {num_experts})")
+                if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
+                    raise ValueError(f"topk_idx holds expert ids outside [-1, {num_experts})")
         if topk_weights is not None:
             _check_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)
-            _require(tuple(topk_weights.shape) == tuple(topk_idx.shape),
-                     lambda: f"topk_weights must have shape {tuple(topk_idx.shape)}, got {tuple(topk_weights.shape)}")
+            if topk_weights.shape != topk_idx.shape:
+                raise ValueError(f"topk_weights must have shape {tuple(topk_idx.shape)}, "
+                                 f"got {tuple(topk_weights.shape)}")
         return rows, topk_idx, topk_weights
 
     def _validate_handle(self, handle, num_tokens: int) -> None:
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle, got {type(handle).__name__}")
-        _require(handle.buffer_id == self.buffer_id,
-                 "handle was made by another Buffer; use the buffer that dispatched it")
-        _require(handle.num_tokens == num_tokens,
-                 lambda: f"handle was made for {handle.num_tokens} tokens, this call has {num_tokens}")
+        if handle.buffer_id != self.buffer_id:
+            raise ValueError("handle was made by another Buffer; use the buffer that dispatched it")
+        if handle.num_tokens != num_tokens:
+            raise ValueError(f"handle was made for {handle.num_tokens} tokens, "
+                             f"this call has {num_tokens}")
 
     # -- stream control --------------------------------------------------------------------
     def _drain_pending(self, wait: bool = False) -> None:
@@ -234,38 +241,71 @@ class Buffer:
             self._pending[-1][0].synchronize()
         self._pending = [entry for entry in self._pending if not entry[0].query()]
 
+    def _current_stream(self) -> "torch.cuda.Stream":
+        """The current stream of the buffer's device. `torch.cuda.current_stream()` builds a
+        new Python object each call (6-8 us of host time on the GPU machine); the raw handle
+        is cheap, so keep one object per handle."""
+        raw = torch._C._cuda_getCurrentRawStream(self.device.index)
+        stream = self._streams.get(raw)
+        if stream is None:
+            stream = self._streams[raw] = torch.cuda.current_stream(self.device)
+        return stream
+
     def _launch(self, work, inputs: Sequence[Optional[torch.Tensor]],
                 previous_event: Optional[EventOverlap], async_with_compute_stream: bool,
-                allocate_on_comm_stream: bool):
-        """Run `work(alloc)` on the communication stream with the contract's stream rules."""
+                allocate_on_comm_stream: bool, host_reads: bool):
+        """Run `work(alloc, stream)` for the comm stream with the contract's stream rules.
+
+        `work` queues its device work on `stream`. When the backend does that explicitly
+        (`explicit_streams`), the call reads nothing back (`host_reads` False) and needs no
+        copies, the comm stream is never made current (switching costs host time); otherwise
+        it is current while `work` runs."""
         self._check_alive()
         if self.device.type != "cuda":
-            return work(OutputAllocator(self.device)), EventOverlap()
-        compute = torch.cuda.current_stream(self.device)
+            return work(OutputAllocator(self.device), None), EventOverlap()
+        self._drain_pending()
+        compute = self._current_stream()
         comm = self.get_comm_stream()
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
-            comm.wait_stream(compute)
-        alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute, comm)
-        # `set_stream` is cheaper than `with torch.cuda.stream(comm)` (16-20 us of host time)
-        # but leaves the buffer's device current; take the context when another one is.
-        switch = contextlib.nullcontext() if torch.cuda.current_device() == self.device.index \
-            else torch.cuda.device(self.device)
-        with switch:
-            torch.cuda.set_stream(comm)
-            try:
-                result = work(alloc)
-                event = torch.cuda.Event()
-                event.record(comm)
-            finally:
-                torch.cuda.set_stream(compute)
+            self._entry_event.record(compute)  # what `comm.wait_stream(compute)` does, one
+            comm.wait_event(self._entry_event)  # Event object fewer
         used = [t for t in inputs if t is not None]
+        # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
+        same_device = torch._C._cuda_getDevice() == self.device.index
+        switch = host_reads or not self._impl.explicit_streams or not same_device
+        for tensor in used:
+            switch = switch or not tensor.is_contiguous()
+        alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute,
+                                comm if switch else compute)
+        if switch:
+            # Another current device is kept current afterwards (a stream context costs 16-20
+            # us; `set_stream` alone would leave the buffer's device current).
+            device = contextlib.nullcontext() if same_device else torch.cuda.device(self.device)
+            with device:
+                torch.cuda.set_stream(comm)
+                try:
+                    result = work(alloc, comm)
+                finally:
+                    torch.cuda.set_stream(compute)
+        else:
+            result = work(alloc, comm)
+        event = torch.cuda.Event()
+        event.record(comm)
         outputs = alloc.allocated
         held = None
-        if self.avoid_record_stream:
+        if not async_with_compute_stream:
+            # The current stream waits for the comm stream below, so every block of its pool
+            # this call touched is reused only after the comm stream is done with it, and
+            # blocks of the comm stream's pool are reused in the comm stream's own order.
+            # Left to protect: outputs of the comm stream's pool, read on the current stream.
+            if allocate_on_comm_stream and not self.avoid_record_stream:
+                for tensor in outputs:
+                    tensor.record_stream(compute)
+            compute.wait_event(event)
+        elif self.avoid_record_stream:
             held = used + outputs
-            self._drain_pending()
             # A captured event cannot be queried later; inside a graph the graph's private
             # pool keeps the memory, and the event still carries the references.
             if not torch.cuda.is_current_stream_capturing():
@@ -275,8 +315,6 @@ class Buffer:
                 tensor.record_stream(comm)
             for tensor in outputs:
                 tensor.record_stream(compute if allocate_on_comm_stream else comm)
-        if not async_with_compute_stream:
-            compute.wait_stream(comm)
         return result, EventOverlap(event, extra_tensors=held)
 
     # -- dispatch and combine --------------------------------------------------------------
@@ -325,9 +363,10 @@ class Buffer:
         """
         max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
             else num_max_tokens_per_rank
-        _require(isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank,
-                 lambda: f"num_max_tokens_per_rank must be in [1, {self.num_max_tokens_per_rank}] "
-                 f"(the buffer's), got {max_tokens!r}")
+        if not (isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank):
+            raise ValueError("num_max_tokens_per_rank must be in "
+                             f"[1, {self.num_max_tokens_per_rank}] (the buffer's), "
+                             f"got {max_tokens!r}")
         rows, topk_idx, topk_weights = self._validate_dispatch(
             x, topk_idx, topk_weights, num_experts, max_tokens, expert_alignment, do_cpu_sync,
             handle, previous_event, allocate_on_comm_stream)
@@ -336,7 +375,7 @@ class Buffer:
             do_cpu_sync, do_expand = handle.do_cpu_sync, handle.do_expand
         copy_topk_idx = handle is None and do_handle_copy
 
-        def work(alloc: OutputAllocator):
+        def work(alloc: OutputAllocator, stream):
             # Copies run here, on the comm stream: with `previous_event` it does not wait for
             # work queued on the current stream after that event.
             return self._impl.dispatch(DispatchRequest(
@@ -345,10 +384,11 @@ class Buffer:
                 num_experts=num_experts, num_max_tokens_per_rank=max_tokens,
                 expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
                 do_zero_padding=do_zero_padding, cached=handle, alloc=alloc,
-                copy_topk_idx=copy_topk_idx))
+                copy_topk_idx=copy_topk_idx, stream=stream))
 
         result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
-                                     async_with_compute_stream, allocate_on_comm_stream)
+                                     async_with_compute_stream, allocate_on_comm_stream,
+                                     host_reads=do_cpu_sync)
         if do_cpu_sync and self.device.type == "cuda":
             self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
         new_handle = result.handle
@@ -386,35 +426,37 @@ class Buffer:
         """
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle, got {type(handle).__name__}")
-        _require(handle.buffer_id == self.buffer_id,
-                 "handle was made by another Buffer; use the buffer that dispatched it")
+        if handle.buffer_id != self.buffer_id:
+            raise ValueError("handle was made by another Buffer; use the buffer that dispatched it")
         rows = handle.num_output_rows
         _check_tensor("x", x, (torch.bfloat16,), 2, self.device)
-        _require(tuple(x.shape) == (rows, self.hidden),
-                 lambda: f"x must have shape {(rows, self.hidden)} (the dispatch output of handle), "
-                 f"got {tuple(x.shape)}")
+        if x.shape != (rows, self.hidden):
+            raise ValueError(f"x must have shape {(rows, self.hidden)} (the dispatch output of "
+                             f"handle), got {tuple(x.shape)}")
         if topk_weights is not None:
             expect = (rows,) if handle.do_expand else (rows, self.num_topk)
             _check_tensor("topk_weights", topk_weights, (torch.float32,), len(expect), self.device)
-            _require(tuple(topk_weights.shape) == expect,
-                     lambda: f"topk_weights must have shape {expect}, got {tuple(topk_weights.shape)}")
+            if topk_weights.shape != expect:
+                raise ValueError(f"topk_weights must have shape {expect}, "
+                                 f"got {tuple(topk_weights.shape)}")
         biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
-        _require(len(biases) <= 2, lambda: f"bias takes at most 2 tensors, got {len(biases)}")
+        if len(biases) > 2:
+            raise ValueError(f"bias takes at most 2 tensors, got {len(biases)}")
         for index, tensor in enumerate(biases):
             _check_tensor(f"bias[{index}]", tensor, (torch.bfloat16,), 2, self.device)
-            _require(tuple(tensor.shape) == (handle.num_tokens, self.hidden),
-                     lambda: f"bias[{index}] must have shape {(handle.num_tokens, self.hidden)}, "
-                     f"got {tuple(tensor.shape)}")
-        if previous_event is not None:
-            _require(allocate_on_comm_stream,
-                     "previous_event requires allocate_on_comm_stream=True")
-        def work(alloc: OutputAllocator):
+            if tensor.shape != (handle.num_tokens, self.hidden):
+                raise ValueError(f"bias[{index}] must have shape "
+                                 f"{(handle.num_tokens, self.hidden)}, got {tuple(tensor.shape)}")
+        if previous_event is not None and not allocate_on_comm_stream:
+            raise ValueError("previous_event requires allocate_on_comm_stream=True")
+
+        def work(alloc: OutputAllocator, stream):
             return self._impl.combine(CombineRequest(
                 x=x.contiguous(), handle=handle,
                 topk_weights=None if topk_weights is None else topk_weights.contiguous(),
-                biases=tuple(b.contiguous() for b in biases), alloc=alloc))
+                biases=tuple(b.contiguous() for b in biases), alloc=alloc, stream=stream))
 
         (combined_x, combined_weights), event = self._launch(
             work, [x, topk_weights, *biases], previous_event, async_with_compute_stream,
-            allocate_on_comm_stream)
+            allocate_on_comm_stream, host_reads=handle.do_cpu_sync)
         return combined_x, combined_weights, event

@@ -24,6 +24,7 @@ Results are bitwise those of the collective backend (docs/semantics.md).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -104,8 +105,23 @@ def _vector_words(words: list[int], widest: int) -> int:
     return vec
 
 
+def _aligned_parts(alloc, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """1-D tensors of `sizes` elements (4-byte `dtype`), views of one allocation, each starting
+    on a 16-byte boundary."""
+    padded, keep = [], []
+    for size in sizes:
+        keep.append(len(padded))
+        padded.append(size)
+        if size % 4:
+            padded.append(4 - size % 4)
+    # The tensor method: `Tensor.split` adds a Python layer (5 us of host time).
+    parts = alloc.empty((sum(padded),), dtype).split_with_sizes(padded)
+    return [parts[i] for i in keep]
+
+
 class SymmetricBackend(Backend):
     name = "symmetric"
+    explicit_streams = True
 
     def __init__(self, buffer) -> None:
         self.group = buffer.group
@@ -150,6 +166,7 @@ class SymmetricBackend(Backend):
         self._gap_scratch = torch.zeros(
             programs * dispatch_kernels.GAP_SCRATCH_PER_PROGRAM, dtype=i32, device=dev)
         self._hist_scratch = torch.zeros(0, dtype=i32, device=dev)
+        self._layouts: dict = {}  # payload words -> RecordLayout
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -165,10 +182,13 @@ class SymmetricBackend(Backend):
             num_sms = -(-self.stride_tokens // 16)
         return max(1, min(int(num_sms), sms))
 
-    def _hist(self, num_local: int) -> torch.Tensor:
+    def _hist(self, num_local: int, stream=None) -> torch.Tensor:
+        """The receive kernel's scratch for `num_local` experts, grown (zeroed on `stream`,
+        the one the kernel runs on) when too small."""
         need = 2 * self.num_sms * num_local  # histogram rows, then next-row rows
         if self._hist_scratch.numel() < need:
-            self._hist_scratch = torch.zeros(need, dtype=torch.int32, device=self.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self._hist_scratch = torch.zeros(need, dtype=torch.int32, device=self.device)
         return self._hist_scratch
 
     def _warm_up(self) -> None:
@@ -223,36 +243,50 @@ class SymmetricBackend(Backend):
                 f"rank {self.rank}: {stage}: a peer did not arrive within {self.timeout_s} s")
 
     # -- dispatch --------------------------------------------------------------------------
+    def _record_layout(self, rows) -> RecordLayout:
+        words = payload_words(rows)
+        layout = self._layouts.get(words)
+        if layout is None:
+            layout = self._layouts[words] = RecordLayout(self.num_topk, words)
+        return layout
+
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         R, M, K = self.num_ranks, request.num_max_tokens_per_rank, self.num_topk
         E, align = request.num_experts, request.expert_alignment
         num_local = E // R
-        sync, alloc, cached = request.do_cpu_sync, request.alloc, request.cached
+        sync, alloc, cached, stream = request.do_cpu_sync, request.alloc, request.cached, \
+            request.stream
         expand = request.do_expand
-        dev, i32 = self.device, torch.int32
-        layout = RecordLayout(K, payload_words(request.rows))
+        i32 = torch.int32
+        layout = self._record_layout(request.rows)
         topk_idx = request.topk_idx
-        slots = torch.empty((topk_idx.shape[0], K), dtype=i32, device=dev)
+        num_tokens = topk_idx.shape[0]
+        if cached is not None and sync:
+            num_rows, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
+        elif sync:
+            num_rows = num_expanded = None  # counted on the device first
+        else:
+            num_rows = R * M
+            num_expanded = expand_capacity(R, M, K, num_local, align) if expand else 0
+        # The handle's int32 tensors are views of one allocation (one allocator call instead
+        # of five), each 16-byte aligned: the compiled kernels assume it.
+        sizes = [R, num_local, num_local, num_tokens * K]
+        if num_rows is not None:
+            sizes.append(num_rows * (K + 2))
+        parts = _aligned_parts(alloc, sizes, i32)
+        rank_psum, expert_counts, expert_psum = parts[:3]
+        slots = parts[3].view(num_tokens, K)
         idx_copy = alloc.empty(topk_idx.shape, topk_idx.dtype) if request.copy_topk_idx else None
         dispatch_kernels.send(self.shape, self.dispatch_stage, self._sync, self._counts_scratch,
                               self._pos_scratch, topk_idx, E, request.topk_weights, request.rows,
-                              layout, slots, self._flags, self.timeout, idx_copy)
+                              layout, slots, self._flags, self.timeout, idx_copy, stream=stream)
 
-        # One allocation for the handle's three small tensors, each 16-byte aligned (the
-        # compiled kernels assume it).
-        padded = [align_up(R, 4), align_up(num_local, 4), align_up(num_local, 4)]
-        rank_psum, expert_counts, expert_psum = (
-            part[:n] for part, n in zip(alloc.empty((sum(padded),), i32).split(padded),
-                                        (R, num_local, num_local)))
-        hist = self._hist(num_local)
+        hist = self._hist(num_local, stream)
         receive = dict(max_tokens=M, num_local=num_local, alignment=align, expand=expand,
                        rank_psum=rank_psum, expert_counts=expert_counts, expert_psum=expert_psum,
-                       error=self._flags, timeout=self.timeout)
+                       error=self._flags, timeout=self.timeout, stream=stream)
         counts_list = None
-        if cached is not None and sync:
-            num_rows, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
-            capacity = num_expanded if expand else _NO_CAPACITY
-        elif sync:
+        if num_rows is None:
             dispatch_kernels.receive(
                 self.shape, self.dispatch_stage, self._sync, hist, self._gap_scratch, layout,
                 full=False, capacity=0, out_rows=_NO_CAPACITY, zero_padding=False, tail=False,
@@ -261,19 +295,16 @@ class SymmetricBackend(Backend):
             self._raise_on_timeout("dispatch")
             counts_list = [align_up(c, align) for c in expert_counts.tolist()]
             num_expanded = sum(counts_list) if expand else 0
-            capacity = num_expanded if expand else _NO_CAPACITY
+            metadata = alloc.empty((num_rows, K + 2), i32)
         else:
-            num_rows = R * M
-            capacity = expand_capacity(R, M, K, num_local, align)
-            num_expanded = capacity if expand else 0
-
+            metadata = parts[4].view(num_rows, K + 2)
+        capacity = num_expanded if expand else _NO_CAPACITY
         out_rows = num_expanded if expand else num_rows
         recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in request.rows]
         recv_weights = None
         if request.topk_weights is not None:
             recv_weights = alloc.empty((out_rows,) if expand else (out_rows, K), torch.float32)
         local_idx = None if expand else alloc.empty((num_rows, K), topk_idx.dtype)
-        metadata = alloc.empty((num_rows, K + 2), i32)
         dispatch_kernels.receive(
             self.shape, self.dispatch_stage, self._sync, hist, self._gap_scratch, layout,
             full=True, capacity=capacity, out_rows=num_rows,
@@ -302,12 +333,12 @@ class SymmetricBackend(Backend):
 
     # -- combine ---------------------------------------------------------------------------
     def _combine(self, stage: Stage, sync, rank_psum, metadata, x, weights, expand: bool,
-                 slots, biases, out, weights_out, error) -> None:
+                 slots, biases, out, weights_out, error, stream=None) -> None:
         shape, layout = self.combine_shape, self.combine_layout
         combine_kernels.send(shape, stage, layout, sync, rank_psum, metadata, x, weights, expand,
-                             error, self.timeout)
+                             error, self.timeout, stream=stream)
         combine_kernels.reduce(shape, stage, layout, sync, slots, biases, out, weights_out,
-                               error, self.timeout)
+                               error, self.timeout, stream=stream)
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         handle = request.handle
@@ -319,7 +350,7 @@ class SymmetricBackend(Backend):
         self._combine(self.combine_stage, self._sync,
                       handle.psum_num_recv_tokens_per_scaleup_rank, handle.recv_src_metadata,
                       request.x, request.topk_weights, handle.do_expand, handle.backend_state,
-                      request.biases, combined_x, combined_weights, self._flags)
+                      request.biases, combined_x, combined_weights, self._flags, request.stream)
         if handle.do_cpu_sync:
             self._raise_on_timeout("combine")
         return combined_x, combined_weights

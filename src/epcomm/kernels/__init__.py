@@ -1,11 +1,14 @@
 """Triton kernels of the symmetric backend, one module per kernel family.
 
-- `sync`: epoch-tagged flags: `signal` (release store, system scope) and `wait` (acquire loads,
-  bounded spin, timeout error bit).
-- `dispatch`: `push` (token records into peers' staging regions), `compact` and `expand` (copy
-  epilogues from the local staging region into ordinary output tensors).
-- `combine`: `push` (expert outputs, reduced per token in expand mode, back to their sources) and
-  `reduce` (bias + per-rank rows in the order of docs/semantics.md).
+- `sync`: monotone int64 counters (add with release, await with acquire and a bounded spin
+  that sets a timeout bit), grid barriers, the named error bits.
+- `dispatch`: `dispatch_send_kernel` (routing, per-destination positions, records pushed into
+  the peers' staging regions) and `dispatch_receive_kernel` (the records copied out into the
+  compact or expand layout).
+- `combine`: `combine_send_kernel` (expert outputs back to their sources, reduced per token in
+  the expand layout) and `reduce_kernel` (bias + per-rank rows in the order of
+  docs/semantics.md).
+- `common`: vector-access, copy and prefix-sum helpers; `launcher`: how the host launches them.
 
 Kernels take local tensors, runtime sizes and a table of heap base addresses (`bases`, int64
 `[R]`); they know nothing about process groups. Heap memory is only ever reached through

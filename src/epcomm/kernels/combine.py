@@ -184,11 +184,12 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
 
 
 def _args(stage: Stage, layout: CombineLayout, sync) -> tuple:
-    return (*stage.args(), layout.words, layout.weight_offset, sync)
+    return (*stage.args, layout.words, layout.weight_offset, sync)
 
 
 def send(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata, x,
-         weights: Optional[torch.Tensor], expand: bool, error, timeout: int) -> None:
+         weights: Optional[torch.Tensor], expand: bool, error, timeout: int,
+         stream=None) -> None:
     """The receiver side of a combine: return every received compact row to its source.
 
     rank_psum [R] int32 and metadata [rows, K + 2] int32: the dispatch handle's; x: bf16
@@ -201,7 +202,7 @@ def send(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psu
     """
     has_w = weights is not None
     shape.launch(
-        combine_send_kernel, () if aligned(x, weights) else None, *_args(stage, layout, sync),
+        combine_send_kernel, () if aligned(x, weights) else None, stream, *_args(stage, layout, sync),
         rank_psum, metadata, x.view(torch.int16), int(expand),
         weights.view(torch.int32) if has_w else metadata, int(has_w), x.shape[1], error,
         timeout, width="BLOCK_H")
@@ -209,7 +210,7 @@ def send(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psu
 
 def reduce(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, slots,
            biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
-           timeout: int) -> None:
+           timeout: int, stream=None) -> None:
     """The source side of a combine, once every peer's rows have arrived:
     `out[t] = bf16(0.0 + bias0[t] + bias1[t] + record(slots[t, j]) for the slots j >= 0 whose
     record no later slot repeats)`, summed in fp32 in that order; `weights_out[t, j]` = weight j
@@ -221,11 +222,11 @@ def reduce(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, slots,
     Example (after the `send` example): slots = [[0, 0], [-1, -1]], biases = ([[1, 1], [2, 2]],):
         out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]].
     """
-    bias0 = biases[0] if biases else out
-    bias1 = biases[1] if len(biases) > 1 else bias0
+    out16 = out.view(torch.int16)
+    bias16 = [bias.view(torch.int16) for bias in biases] or [out16]  # (absent: never read)
     args = _args(stage, layout, sync)
     shape.launch(
-        reduce_kernel, () if aligned(*biases) else None, *args[:5], *args[6:], slots.shape[0],
-        slots, bias0.view(torch.int16), bias1.view(torch.int16), len(biases),
-        out.view(torch.int16), slots if weights_out is None else weights_out.view(torch.int32),
+        reduce_kernel, () if aligned(*biases) else None, stream, *args[:5], *args[6:],
+        slots.shape[0], slots, bias16[0], bias16[-1], len(biases), out16,
+        slots if weights_out is None else weights_out.view(torch.int32),
         int(weights_out is not None), out.shape[1], error, timeout, width="BLOCK_H")

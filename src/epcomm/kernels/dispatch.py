@@ -33,7 +33,7 @@ on the host, then runs `receive` again with `full=1`); that pass touches no coun
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
@@ -42,7 +42,7 @@ import triton.language as tl
 
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      program_chunk, running_total, sum_along, total, word_ptrs)
-from .launcher import KernelShape, Stage, aligned
+from .launcher import KernelShape, Stage, aligned, next_power_of_2
 from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE_OVERFLOW,
                    add_counters, await_counters, grid_barrier, own_counters, peer_counters)
 
@@ -61,23 +61,22 @@ def _align(n: int) -> int:
 class RecordLayout:
     """Word layout of a dispatch record: `[token | K ids | K weights | payload 0 | payload 1]`.
 
-    payload_words: int32 words of each payload row (one or two fields).
+    payload_words: int32 words of each payload row (one or two fields); offsets: the word
+    where each payload field starts; words: the record's size.
     """
 
     num_topk: int
     payload_words: tuple[int, ...]
+    offsets: tuple[int, ...] = field(init=False)
+    words: int = field(init=False)
 
-    @property
-    def offsets(self) -> tuple[int, ...]:
+    def __post_init__(self) -> None:
         offsets, at = [], _align(1 + 2 * self.num_topk)
         for words in self.payload_words:
             offsets.append(at)
             at += _align(words)
-        return tuple(offsets)
-
-    @property
-    def words(self) -> int:
-        return self.offsets[-1] + _align(self.payload_words[-1])
+        object.__setattr__(self, "offsets", tuple(offsets))
+        object.__setattr__(self, "words", at)
 
 
 def payload_words(rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
@@ -484,7 +483,7 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
 def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, topk_idx,
          num_experts: int, weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor],
          layout: RecordLayout, slot_out, error, timeout: int,
-         idx_copy: Optional[torch.Tensor] = None) -> None:
+         idx_copy: Optional[torch.Tensor] = None, stream=None) -> None:
     """The source side of a dispatch (one launch of `shape.programs` programs).
 
     topk_idx: [T, K] int32/int64 global expert ids; weights: [T, K] fp32 or None; rows: the
@@ -502,11 +501,11 @@ def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, to
     has_w = weights is not None
     variant = (topk_idx.dtype,) if aligned(topk_idx, weights, *rows) else None
     shape.launch(
-        dispatch_send_kernel, variant, *stage.args(), layout.words, sync, counts_scratch,
+        dispatch_send_kernel, variant, stream, *stage.args, layout.words, sync, counts_scratch,
         pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
         topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
         weights.view(torch.int32) if has_w else counts_scratch, int(has_w),
-        *_fields(rows, layout), slot_out, error, timeout, BLOCK_P=shape.block_p)
+        *_fields(rows, layout), slot_out, error, timeout)
 
 
 _BLOCK_E = 64  # experts per step of the receive-side histogram and scan
@@ -517,7 +516,7 @@ def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, l
             full: bool, max_tokens: int, num_local: int, alignment: int, capacity: int,
             out_rows: int, expand: bool, zero_padding: bool, tail: bool, idx_out, weights_out,
             metadata, rank_psum, expert_counts, expert_psum, rows_out, error,
-            timeout: int) -> None:
+            timeout: int, stream=None) -> None:
     """The destination side of a dispatch (one launch of `shape.programs` programs).
 
     Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
@@ -538,10 +537,9 @@ def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, l
     w_dummy = metadata if weights_out is None else weights_out.view(torch.int32)
     payload = rows_out if rows_out else [metadata]
     shape.launch(
-        dispatch_receive_kernel, (idx_dummy.dtype,), *stage.args(), layout.words, sync,
+        dispatch_receive_kernel, (idx_dummy.dtype,), stream, *stage.args, layout.words, sync,
         SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens, num_local,
         alignment, capacity, out_rows, int(full), int(expand), int(zero_padding), int(tail),
         idx_dummy, w_dummy, int(weights_out is not None), metadata, rank_psum, expert_counts,
         expert_psum, *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,))),
-        error, timeout, BLOCK_M=triton.next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E,
-        BLOCK_P=shape.block_p)
+        error, timeout, BLOCK_M=next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E)

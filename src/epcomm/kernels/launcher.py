@@ -2,10 +2,11 @@
 `Stage`, and a `Launcher` that skips Triton's per-call argument binding once a variant is
 compiled.
 
-Triton's generic launch (`kernel[grid](...)`) binds and specializes every argument on each call:
-about 43 us of host time for a 26-argument kernel on the GPU machine (`scripts/gpu_tune.py
---host`), so two launches alone would exceed a 40 us host budget per call. A `Launcher` keeps
-the `CompiledKernel` of each variant it has launched and later calls it directly.
+Host time of one launch of a 40-argument kernel on the GPU machine
+(`scripts/gpu_host_costs.py`): Triton's generic `kernel[grid](...)`, which binds and
+specializes every argument, 44.7 us; `CompiledKernel[grid](...)` 19.5 us; the compiled
+kernel's `run` on a stream the caller names 14.3 us. A `Launcher` keeps the `CompiledKernel`
+of each variant it has launched and later calls its `run` directly.
 
 The caller names the variant: everything Triton would specialize on must be in the key (the
 dtypes of tensors whose dtype varies; whether every pointer is 16-byte aligned: pass
@@ -14,13 +15,19 @@ all `do_not_specialize` in our kernels. Under the interpreter every launch is ge
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable, Optional
 
 import torch
-import triton
+from triton import knobs
 
 from . import INTERPRET
+
+
+def _hook(hook):
+    """A launch hook to pass to a compiled kernel, None if there is nothing to call (Triton 3.9
+    keeps an empty `HookChain` when no hook is set; calling it costs host time)."""
+    return None if hook is None or not getattr(hook, "calls", True) else hook
 
 
 class Launcher:
@@ -31,26 +38,49 @@ class Launcher:
     def __init__(self, fn, programs: int, constants: dict) -> None:
         self.fn = fn
         self.grid = (programs, 1, 1)
-        self.constants = constants
+        self.constants = {name: value for name, value in constants.items()
+                          if name in fn.arg_names or name.startswith("num_")}
         # The compiled kernel takes every parameter, constexprs included, in order.
-        self.tail = tuple(constants[name] for name in fn.arg_names if name in constants)
-        self.compiled: dict = {}
+        self.tail = tuple(self.constants[name] for name in fn.arg_names if name in constants)
+        self.compiled: dict = {}  # variant -> CompiledKernel
         self.fast = not INTERPRET
+        self.generic_launches = 0
+        self.fallback: Optional[str] = None  # why `fast` was turned off
 
-    def __call__(self, variant: Optional[Hashable], *args) -> None:
-        compiled = self.compiled.get(variant) if self.fast and variant is not None else None
-        if compiled is not None:
+    def __call__(self, variant: Optional[Hashable], stream, *args) -> None:
+        """Launch on `stream` (a CUDA stream; None: the current stream, and always under the
+        interpreter)."""
+        kernel = self.compiled.get(variant) if self.fast and variant is not None else None
+        if kernel is not None:
+            raw = (torch.cuda.current_stream() if stream is None else stream).cuda_stream
+            args += self.tail
+            enter = _hook(knobs.runtime.launch_enter_hook)  # profilers' hooks
+            metadata = None if enter is None else kernel.launch_metadata(self.grid, raw, *args)
             try:
-                compiled[self.grid](*args, *self.tail)
+                # What `CompiledKernel[grid](...)` does, without looking up the current stream
+                # and device on every call (5 us of the 19.5 us it costs on the GPU machine).
+                kernel.run(*self.grid, raw, kernel.function, kernel.packed_metadata, metadata,
+                           enter, _hook(knobs.runtime.launch_exit_hook), *args)
                 return
-            except (TypeError, OverflowError):
+            except (TypeError, OverflowError) as error:
                 # Rejected before launching: a Triton whose compiled kernels take their
                 # arguments differently, or an int that no longer fits the variant's i32 (the
                 # generic path picks the i64 one). Use the generic path from now on.
-                self.fast = False
-        compiled = self.fn[self.grid](*args, **self.constants)
+                self.fast, self.fallback = False, repr(error)
+                args = args[:len(args) - len(self.tail)]
+        self.generic_launches += 1
+        current = None
+        if stream is not None:
+            current = torch.cuda.current_stream(stream.device)
+            torch.cuda.set_stream(stream)
+        try:
+            kernel = self.fn[self.grid](*args, **self.constants)
+        finally:
+            if current is not None:
+                torch.cuda.set_stream(current)
         if self.fast and variant is not None:
-            self.compiled[variant] = compiled
+            kernel._init_handles()
+            self.compiled[variant] = kernel
 
 
 @dataclass(frozen=True)
@@ -67,41 +97,53 @@ class KernelShape:
     programs: int
     num_warps: int
     use_timer: bool
+    # (kernel, width, extra constants) -> Launcher; not part of the shape's identity.
+    launchers: dict = field(default_factory=dict, compare=False, repr=False)
 
     def constants(self, width: str = "BLOCK_W") -> dict:
-        """Keyword arguments of a launch; `width` names the kernel's copy-step constant."""
-        return {"K": self.num_topk, "BLOCK_K": triton.next_power_of_2(self.num_topk),
-                "BLOCK_R": self.block_r, "ROWS": self.rows,
+        """Keyword arguments of a launch; `width` names the kernel's copy-step constant (a
+        `Launcher` passes a kernel only the constants it has)."""
+        return {"K": self.num_topk, "BLOCK_K": next_power_of_2(self.num_topk),
+                "BLOCK_R": self.block_r, "BLOCK_P": self.block_p, "ROWS": self.rows,
                 "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
                 "num_warps": self.num_warps}
 
     @property
     def block_r(self) -> int:
         """The ranks as one block (lanes past R are masked)."""
-        return triton.next_power_of_2(self.num_ranks)
+        return next_power_of_2(self.num_ranks)
 
     @property
     def block_p(self) -> int:
         """The programs as one block (kernels that read a value of every program)."""
-        return max(2, triton.next_power_of_2(self.programs))
+        return max(2, next_power_of_2(self.programs))
 
-    def launch(self, fn, variant, *args, width: str = "BLOCK_W", **extra) -> None:
-        """Launch `fn` on P programs with this shape's constants (and `extra` ones) through a
-        cached `Launcher`; `variant` as `Launcher` takes it."""
-        key = (fn, self, width, tuple(sorted(extra.items())))
-        launcher = _LAUNCHERS.get(key)
+    def launch(self, fn, variant, stream, *args, width: str = "BLOCK_W", **extra) -> None:
+        """Launch `fn` on P programs of `stream` with this shape's constants (and `extra`
+        ones) through a cached `Launcher`; `variant` and `stream` as `Launcher` takes them.
+        Each call site passes `extra` in a fixed order (it is part of the cache key)."""
+        # id(fn): hashing a JITFunction hashes its source-derived cache key (2.6 us).
+        key = (id(fn), width, *extra.values())
+        launcher = self.launchers.get(key)
         if launcher is None:
-            launcher = _LAUNCHERS[key] = Launcher(fn, self.programs,
-                                                  {**self.constants(width), **extra})
-        launcher(variant, *args)
+            launcher = self.launchers[key] = Launcher(fn, self.programs,
+                                                      {**self.constants(width), **extra})
+        launcher(variant, stream, *args)
 
 
-_LAUNCHERS: dict = {}  # (kernel, shape, constants) -> Launcher
+def next_power_of_2(n: int) -> int:
+    """The least power of two >= n (>= 1); `triton.next_power_of_2` costs microseconds of
+    host time per call in Triton 3.6."""
+    return 1 << max(0, n - 1).bit_length()
 
 
 def aligned(*tensors: Optional[torch.Tensor]) -> bool:
     """Whether every given tensor starts on a 16-byte boundary (what Triton specializes on)."""
-    return all(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+    bits = 0
+    for tensor in tensors:
+        if tensor is not None:
+            bits |= tensor.data_ptr()
+    return bits % 16 == 0
 
 
 @dataclass(frozen=True)
@@ -115,7 +157,9 @@ class Stage:
     flags_offset: int
     region_offset: int
     stride_tokens: int
+    args: tuple = field(init=False, repr=False, compare=False)  # the kernels' first arguments
 
-    def args(self) -> tuple:
-        return (self.bases, self.rank, self.bases.numel(), self.flags_offset, self.region_offset,
-                self.stride_tokens)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "args", (self.bases, self.rank, self.bases.numel(),
+                                          self.flags_offset, self.region_offset,
+                                          self.stride_tokens))
