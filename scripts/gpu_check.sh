@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One GPU check on the one-GPU machine, from the repository root: bash scripts/gpu_check.sh
 # Steps, each under its own time limit (seconds, overridable), in priority order:
-#   symmetric  scripts/gpu_symmetric.py: symmetric vs collective bitwise at hidden 7168 with 2, 4
-#              and 8 processes on the GPU (RANKS), sync-debug mode, graph replay, then the EP=1
+#   symmetric  scripts/gpu_symmetric.py: symmetric vs collective bitwise at hidden 7168 with 2 and
+#              4 processes on the GPU (4096 tokens), sync-debug mode, graph replay, then the EP=1
 #              benchmark
+#   symmetric8 the same check with 8 processes at 1024 tokens (8 processes at 4096 tokens, each
+#              with both backends' capacity outputs, run out of the GPU's 140 GiB)
 #   lifetime   scripts/gpu_lifetime.sh: receive-tensor lifetime, 2/4/8 processes, both policies
 #   cuda-tests the kernel examples on the GPU, then the CUDA pytest targets (sync-free, graph
 #              capture, matrix on 2 ranks, stream options, inputs dropped early)
@@ -23,10 +25,11 @@ step() {  # name, limit_s, command...
   echo "---- $name (rc=$rc) ----"
   tail -n "${TAIL_LINES:-30}" "$out/$name.log"
 }
-[[ " ${SKIP:-} " == *" symmetric "* ]] || step symmetric "${SYMMETRIC_S:-300}" python3 scripts/gpu_symmetric.py --ranks ${RANKS:-2 4 8}
+[[ " ${SKIP:-} " == *" symmetric "* ]] || step symmetric "${SYMMETRIC_S:-170}" python3 scripts/gpu_symmetric.py --ranks 2 4
+[[ " ${SKIP:-} " == *" symmetric8 "* ]] || step symmetric8 "${SYMMETRIC8_S:-120}" python3 scripts/gpu_symmetric.py --ranks 8 --tokens 1024 --no-bench
 [[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-170} LIFETIME_RUN_TIMEOUT_S=60 \
   step lifetime "$(( ${LIFETIME_S:-170} + 70 ))" bash scripts/gpu_lifetime.sh
-[[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-150}" bash -c \
+[[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-240}" bash -c \
   'python3 -m pytest -q -x tests/test_kernels.py && python3 -m pytest -q -x \
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
    -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped)"'

@@ -8,7 +8,6 @@ launch styles on a 40-argument kernel), the numbers behind the host path's desig
 """
 from __future__ import annotations
 
-import inspect
 import time
 
 import torch
@@ -59,16 +58,20 @@ def main():
         torch.cuda.set_stream(compute)
 
     pieces = [
-        ("Triton generic launch kernel[grid](...)", lambda: forty[(132,)](*tensors, *ints, K=8, R=1)),
+        ("Triton generic launch kernel[grid](...)",
+         lambda: forty[(132,)](*tensors, *ints, K=8, R=1)),
         ("compiled[grid](*args, *tail)", lambda: compiled[grid](*tensors, *ints, *tail)),
         ("compiled.run(...) tensors", lambda: run(132, 1, 1, stream, function, packed, None, None,
                                                    None, *tensors, *ints, *tail)),
         ("compiled.run(...) int pointers", lambda: run(132, 1, 1, stream, function, packed, None,
                                                         None, None, *ptrs, *ints, *tail)),
         ("25 x data_ptr()", lambda: [t.data_ptr() for t in tensors]),
-        ("torch.empty 4096 x 7168 bf16", lambda: torch.empty(4096, 7168, dtype=torch.bfloat16, device=dev)),
-        ("torch.empty((32768, 10), int32)", lambda: torch.empty((32768, 10), dtype=torch.int32, device=dev)),
-        ("torch.empty via tuple shape kw", lambda: torch.empty((4096, 8), dtype=torch.float32, device=dev)),
+        ("torch.empty 4096 x 7168 bf16",
+         lambda: torch.empty(4096, 7168, dtype=torch.bfloat16, device=dev)),
+        ("torch.empty((32768, 10), int32)",
+         lambda: torch.empty((32768, 10), dtype=torch.int32, device=dev)),
+        ("torch.empty((4096, 8), float32)",
+         lambda: torch.empty((4096, 8), dtype=torch.float32, device=dev)),
         ("blob[a:b].view(n, 8)", lambda: blob[1024:1024 + 4096 * 8].view(4096, 8)),
         ("blob.narrow(0,a,n).view(n, 8)", lambda: blob.narrow(0, 1024, 4096 * 8).view(4096, 8)),
         ("torch.cuda.current_stream()", lambda: torch.cuda.current_stream()),
@@ -87,19 +90,13 @@ def main():
         ("x.shape[0], x.shape[1]", lambda: (x.shape[0], x.shape[1])),
         ("x.view(torch.int32)", lambda: x.view(torch.int32)),
         ("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing),
-        ("triton.knobs.runtime.launch_enter_hook", lambda: triton.knobs.runtime.launch_enter_hook),
+        ("triton.knobs.runtime.launch_enter_hook",
+         lambda: triton.knobs.runtime.launch_enter_hook),
     ]
     print("torch", torch.__version__, "triton", triton.__version__)
     print("| host piece | median us |\n|---|---|")
     for name, fn in pieces:
         print(f"| {name} | {median_us(fn):.2f} |")
-    from triton.compiler.compiler import CompiledKernel
-    print(inspect.getsource(CompiledKernel.__getitem__))
-    print(inspect.getsource(type(compiled.run).__call__))
-    import triton.backends.nvidia.driver as driver
-    source = inspect.getsource(driver)
-    at = source.find("getPointer")
-    print(source[at:at + 1500])
 
 
 if __name__ == "__main__":
