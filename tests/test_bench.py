@@ -73,3 +73,37 @@ def test_bench_symmetric_backend_smoke(tmp_path):
     [row] = report["rows"]
     assert row["check"] == "ok", row
     assert row["dispatch"]["us"] > 0 and row["combine"]["us"] > 0
+
+
+def test_expert_order_example_and_random():
+    """`bench_peer.expert_order`: the docstring example, then random routings against a plain
+    loop (pairs by global expert, tokens ascending within one)."""
+    import torch
+    from epcomm.bench_peer import expert_order
+    tokens, splits = expert_order(torch.tensor([[2, 0], [-1, 2]]), 4)
+    assert tokens.tolist() == [0, 0, 1] and splits.tolist() == [1, 0, 2, 0]
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(5):
+        idx = torch.randint(-1, 16, (37, 4), generator=gen)
+        tokens, splits = expert_order(idx, 16)
+        want = [(e, t) for e in range(16) for t in range(37) for k in range(4)
+                if int(idx[t, k]) == e]
+        assert tokens.tolist() == [t for _, t in want]
+        assert splits.tolist() == [sum(1 for e, _ in want if e == x) for x in range(16)]
+
+
+def test_peer_table_lists_baselines_and_why_one_did_not_run():
+    """The one-process-per-GPU table (printed only when the peer baselines ran): a row per
+    case, "n/a" where all_to_all_vdev_2d did not run, and its error below the table."""
+    from epcomm.bench import _format_peer_table
+    figure = {"us": 100.0, "gbps": 300.0}
+    row = {"config": "dsv3", "layout": "compact", "dtype": "bf16", "sync": False,
+           "num_sms": 24, "dispatch": figure, "combine": figure, "p2p": figure}
+    no_peer = {key: value for key, value in row.items() if key != "p2p"}
+    assert _format_peer_table([no_peer]) == ""  # ranks sharing a GPU, or CPU ranks
+    text = _format_peer_table([dict(row, vdev2d_dispatch=figure, vdev2d_combine=figure),
+                               dict(row, dtype="fp8", vdev2d_error={"0": "RuntimeError: x"})])
+    lines = [line for line in text.splitlines() if line.startswith("| dsv3")]
+    assert len(lines) == 2 and " 24 |" in lines[0] and "n/a" not in lines[0]
+    assert lines[1].count("n/a") == 4
+    assert "all_to_all_vdev_2d did not run: rank 0: RuntimeError: x" in text

@@ -18,7 +18,7 @@ from epcomm import Buffer, EPHandle, EPTimeoutError
 from epcomm import autograd as ep_autograd
 from epcomm.launch import run_local_ranks
 from epcomm.reference import reference_combine, reference_dispatch
-from epcomm.verify import ROUTINGS, Case, assert_equal, check_round_trip, describe
+from epcomm.verify import Case, assert_equal, check_round_trip, run_matrix_cases
 
 BASE_SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -36,26 +36,10 @@ def _buffer(target: str, max_tokens: int, hidden: int, num_topk: int, **kwargs) 
                   backend=backend, **kwargs)
 
 
-def matrix_cases(num_experts: int, seed: int):
-    """Every routing x layout x sync mode x dtype x alignment; the rest rotates with the index."""
-    grid = itertools.product(ROUTINGS, (False, True), (True, False), (False, True), (1, 128))
-    for i, (routing, expand, sync, fp8, align) in enumerate(grid):
-        yield Case(routing=routing, tokens=("uneven", "full", "empty_last")[i % 3],
-                   num_experts=num_experts, expert_alignment=align, do_expand=expand,
-                   do_cpu_sync=sync, fp8=fp8, with_weights=i % 4 != 3, num_bias=i % 3,
-                   do_zero_padding=i % 5 < 2, seed=seed + i)
-
-
 def run_matrix(target: str, max_tokens: int, hidden: int, num_topk: int,
                experts_per_rank: int, seed: int) -> int:
     buffer = _buffer(target, max_tokens, hidden, num_topk)
-    count = 0
-    for case in matrix_cases(experts_per_rank * buffer.num_ranks, seed):
-        try:
-            check_round_trip(buffer, case)
-        except AssertionError as exc:
-            raise AssertionError(f"seed {seed}, rank {buffer.rank}, {describe(case)}: {exc}") from None
-        count += 1
+    count = run_matrix_cases(buffer, experts_per_rank, seed)
     buffer.destroy()
     return count
 

@@ -61,6 +61,9 @@ CONFIGS: dict[str, BenchConfig] = {
                          tokens_cpu=64, expand_alignment=1),
     "dsv3": BenchConfig("dsv3", hidden=7168, num_topk=8, num_experts=256, tokens_gpu=4096,
                         tokens_cpu=128, expand_alignment=128),
+    # DeepSeek-V3 decoding: 128 tokens per rank (anchors.md: DeepEP's low-latency figures).
+    "decode": BenchConfig("decode", hidden=7168, num_topk=8, num_experts=256, tokens_gpu=128,
+                          tokens_cpu=16, expand_alignment=1),
 }
 LAYOUTS = ("compact", "expand")
 # Default timing by device: warm-up calls, then an adaptive count of timed calls
@@ -226,7 +229,7 @@ def _all_to_all_counts(send: list[int], device: torch.device, group) -> list[int
 
 def _rank_main(opts: Options) -> dict:
     """Runs on every rank; returns this rank's raw measurements."""
-    from . import verify
+    from . import bench_peer, verify
     from .buffer import Buffer
     from .fp8 import per_token_cast_to_fp8
 
@@ -257,7 +260,11 @@ def _rank_main(opts: Options) -> dict:
         elif rank == 0 and opts.progress:
             print(f"epcomm bench [{done}/{steps}] {text}", file=sys.stderr, flush=True)
 
-    result: dict[str, Any] = {"rank": rank, "cases": [], "baselines": {}, "backend": {}}
+    result: dict[str, Any] = {"rank": rank, "cases": [], "baselines": {}, "backend": {},
+                              "num_sms": {}}
+    # One process per GPU over NCCL: the link baselines of `bench_peer` can run.
+    peer_baselines = device.type == "cuda" and opts.pg_backend == "nccl" and num_ranks > 1 \
+        and torch.cuda.device_count() >= num_ranks
     for config_name in opts.configs:
         cfg = CONFIGS[config_name]
         tokens = opts.tokens_for(cfg)
@@ -278,6 +285,7 @@ def _rank_main(opts: Options) -> dict:
                         use_fp8_dispatch="fp8" in opts.dtypes, backend=opts.buffer_backend,
                         device=device, timeout_s=opts.timeout_s)
         result["backend"][config_name] = buffer.backend
+        result["num_sms"][config_name] = buffer.num_sms if buffer.backend == "symmetric" else None
 
         # -- per-rank byte counts and the baselines ------------------------------------------
         send_counts = _send_counts(topk_idx, E, num_ranks)
@@ -328,6 +336,18 @@ def _rank_main(opts: Options) -> dict:
                 dst = torch.empty_like(src)
                 base[f"copy_{dtype}"] = dict(measure(lambda: dst.copy_(src)), bytes=2 * nbytes)
                 del src, dst
+        if peer_baselines:
+            row_bytes = {"bf16": inputs["bf16"].view(torch.uint8)}
+            if "fp8" in inputs:
+                x_fp8, scales = inputs["fp8"]
+                row_bytes["fp8"] = torch.cat([x_fp8.view(torch.uint8), scales.view(torch.uint8)],
+                                             dim=1)
+            for dtype in opts.dtypes:
+                base[f"p2p_{dtype}"] = bench_peer.p2p_copy(
+                    measure, recv_rows * _row_bytes(H, dtype), device)
+            base.update(bench_peer.vdev_2d(measure, {d: row_bytes[d] for d in opts.dtypes},
+                                           topk_idx, E, cfg.expand_alignment, group, device))
+            del row_bytes
         result["baselines"][config_name] = base
         step(f"{config_name} baselines")
 
@@ -443,8 +463,27 @@ def aggregate(per_rank: list[dict], opts: Options) -> list[dict]:
         }
         if f"copy_{case.dtype}" in bases[0]:
             row["copy"] = _figure([b[f"copy_{case.dtype}"] for b in bases], "bytes")
+        row["num_sms"] = per_rank[0]["num_sms"][case.config]
+        _add_peer_figures(row, case, bases, records)
         rows.append(row)
     return rows
+
+
+def _add_peer_figures(row: dict, case: Case, bases: list[dict], records: list[dict]) -> None:
+    """The `bench_peer` baselines of this case, if they ran: the p2p copy (its own bytes) and
+    all_to_all_vdev_2d (GB/s over the same logical bytes as our dispatch and combine)."""
+    if f"p2p_{case.dtype}" in bases[0]:
+        row["p2p"] = _figure([b[f"p2p_{case.dtype}"] for b in bases], "bytes")
+    errors = {str(r): b["vdev2d_error"] for r, b in enumerate(bases) if "vdev2d_error" in b}
+    if errors:
+        row["vdev2d_error"] = errors
+    elif f"vdev2d_dispatch_{case.dtype}" in bases[0]:
+        row["vdev2d_dispatch"] = _figure(
+            [dict(b[f"vdev2d_dispatch_{case.dtype}"], bytes=r["dispatch_bytes"])
+             for b, r in zip(bases, records)], "bytes")
+        row["vdev2d_combine"] = _figure(
+            [dict(b["vdev2d_combine"], bytes=r["combine_bytes"]) for b, r in zip(bases, records)],
+            "bytes")
 
 
 def _format_table(header: list[str], lines: list[list[str]], num_text: int) -> str:
@@ -486,8 +525,36 @@ def format_tables(rows: list[dict]) -> str:
                    f"{r['a2a_dispatch']['host_us']:.1f}",
                    f"{r['a2a_dispatch_payload']['host_us']:.1f}",
                    f"{r['a2a_combine']['host_us']:.1f}"] for r in rows]
-    return main + "\n\nHost time per call (time for the call to return):\n\n" + \
+    text = main + "\n\nHost time per call (time for the call to return):\n\n" + \
         _format_table(host_header, host_lines, 4)
+    return text + _format_peer_table(rows)
+
+
+def _format_peer_table(rows: list[dict]) -> str:
+    """One process per GPU: ours beside the link roofline and all_to_all_vdev_2d ("" if none
+    of them ran)."""
+    peer_rows = [r for r in rows if "p2p" in r]
+    if not peer_rows:
+        return ""
+
+    def figure(r, key, what):
+        return f"{r[key][what]:.1f}" if key in r else "n/a"
+    header = ["config", "layout", "dtype", "sync", "SMs", "disp us", "disp GB/s", "comb us",
+              "comb GB/s", "vdev2d disp us", "vdev2d disp GB/s", "vdev2d comb us",
+              "vdev2d comb GB/s", "p2p copy GB/s"]
+    lines = [[r["config"], r["layout"], r["dtype"], "yes" if r["sync"] else "no",
+              str(r["num_sms"] or "-"), figure(r, "dispatch", "us"),
+              figure(r, "dispatch", "gbps"), figure(r, "combine", "us"),
+              figure(r, "combine", "gbps"), figure(r, "vdev2d_dispatch", "us"),
+              figure(r, "vdev2d_dispatch", "gbps"), figure(r, "vdev2d_combine", "us"),
+              figure(r, "vdev2d_combine", "gbps"), figure(r, "p2p", "gbps")] for r in peer_rows]
+    errors = sorted({f"rank {rank}: {text}" for r in peer_rows
+                     for rank, text in r.get("vdev2d_error", {}).items()})
+    notes = "".join(f"\nall_to_all_vdev_2d did not run: {e}" for e in errors)
+    return ("\n\nOne process per GPU: logical GB/s; all_to_all_vdev_2d moves a row per (token,"
+            " expert) pair, timed from its input already in expert order; p2p copy: this rank's"
+            " received bytes copied to the next GPU, all ranks at once:\n\n"
+            + _format_table(header, lines, 4) + notes)
 
 
 # ----------------------------------------------------------------------------- entry points

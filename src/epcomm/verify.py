@@ -7,6 +7,7 @@ group is gloo (gloo moves only CPU tensors), else on the tensors' own device.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -311,3 +312,28 @@ def describe(case: Case) -> str:
 __all__ = ["Case", "ROUTINGS", "make_routing", "make_inputs", "check_round_trip",
            "run_reference_dispatch", "check_dispatch_outputs", "ignored_rows", "check_combine",
            "assert_equal", "describe", "align_up"]
+
+
+def matrix_cases(num_experts: int, seed: int):
+    """The test matrix (64 cases): every routing x layout x sync mode x dtype x alignment; token
+    counts, weights, biases and zero padding rotate with the index."""
+    grid = itertools.product(ROUTINGS, (False, True), (True, False), (False, True), (1, 128))
+    for i, (routing, expand, sync, fp8, align) in enumerate(grid):
+        yield Case(routing=routing, tokens=("uneven", "full", "empty_last")[i % 3],
+                   num_experts=num_experts, expert_alignment=align, do_expand=expand,
+                   do_cpu_sync=sync, fp8=fp8, with_weights=i % 4 != 3, num_bias=i % 3,
+                   do_zero_padding=i % 5 < 2, seed=seed + i)
+
+
+def run_matrix_cases(buffer, experts_per_rank: int, seed: int) -> int:
+    """Every `matrix_cases` round trip through `buffer`, bitwise (collective: all ranks call
+    it); the number of cases checked. A failure names the seed, rank and case."""
+    count = 0
+    for case in matrix_cases(experts_per_rank * buffer.num_ranks, seed):
+        try:
+            check_round_trip(buffer, case)
+        except AssertionError as exc:
+            raise AssertionError(f"seed {seed}, rank {buffer.rank}, {describe(case)}: {exc}") \
+                from None
+        count += 1
+    return count
