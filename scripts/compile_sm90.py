@@ -6,14 +6,18 @@ Triton's NVIDIA backend compiles to PTX and cubin without a driver, so compile e
 path (and codegen properties such as vector width) show here instead of costing device time.
 For each shape (the DeepSeek-V3 one and small test ones, 16-byte-aligned pointers as the
 runtime specializes them) prints one line per kernel: the 16-byte (`.v4`) and 4-byte global
-accesses in its PTX. Exit status 1 if a kernel fails to compile.
+accesses in its PTX and, for the DeepSeek-V3 shape, what `ptxas -v` reports (registers per
+thread, spill bytes) with the programs that fit on one SM at that register count (grid barriers
+need every program resident: P <= SMs x that). Exit status 1 if a kernel fails to compile.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before epcomm.kernels: compile, do not interpret
 
@@ -24,6 +28,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
+REGISTERS_PER_SM = 65536  # sm_90
 # (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine))
 SHAPES = {"dsv3": (8, 8, 512, 1024, 4, 8), "test": (4, 1, 128, 256, 4, 8),
           "odd": (3, 3, 32, 64, 1, 8)}
@@ -73,6 +78,23 @@ def compile_kernel(fn, shape):
     return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps))
 
 
+def register_report(kernel, num_warps: int) -> str:
+    """`ptxas -v` of the kernel's PTX for sm_90a: registers, spills, programs per SM."""
+    from triton.backends.nvidia.compiler import get_ptxas
+    with tempfile.TemporaryDirectory() as folder:
+        ptx = os.path.join(folder, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(kernel.asm["ptx"])
+        run = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", ptx, "-o",
+                              os.path.join(folder, "kernel.cubin")],
+                             capture_output=True, text=True, check=True)
+    report = run.stdout + run.stderr
+    registers = int(re.search(r"Used (\d+) registers", report).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", report))
+    per_sm = REGISTERS_PER_SM // (registers * 32 * num_warps)
+    return f", {registers} registers, {spills} spill bytes, {per_sm} program(s) per SM"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ptx", help="write each kernel's PTX into this folder")
@@ -81,7 +103,8 @@ def main() -> int:
     for shape_name, shape in SHAPES.items():
         for fn in POINTERS:
             try:
-                ptx = compile_kernel(fn, shape).asm["ptx"]
+                kernel = compile_kernel(fn, shape)
+                ptx = kernel.asm["ptx"]
             except Exception as error:  # noqa: BLE001 - report every kernel, then fail
                 print(f"{shape_name} {fn.__name__}: FAILED {type(error).__name__}: "
                       f"{str(error).splitlines()[0] if str(error) else ''}")
@@ -89,7 +112,10 @@ def main() -> int:
                 continue
             wide = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.", ptx))
             narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9:_]+)*\.b32\b", ptx))
-            print(f"{shape_name} {fn.__name__}: v4 accesses {wide}, 4-byte accesses {narrow}")
+            registers = register_report(kernel, _constants(fn, shape)[1]) \
+                if shape_name == "dsv3" else ""
+            print(f"{shape_name} {fn.__name__}: v4 accesses {wide}, 4-byte accesses {narrow}"
+                  f"{registers}")
             if args.ptx:
                 os.makedirs(args.ptx, exist_ok=True)
                 with open(os.path.join(args.ptx, f"{shape_name}-{fn.__name__}.ptx"), "w") as f:

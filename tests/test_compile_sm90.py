@@ -32,3 +32,5 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
     for line in lines:
         if line.startswith("dsv3 "):  # every row copy of the DeepSeek-V3 shape is vectorized
             assert int(re.search(r"v4 accesses (\d+)", line).group(1)) > 0, line
+            # ... and fits in registers with one program per SM (what the grid barriers need)
+            assert " 0 spill bytes" in line and "0 program(s)" not in line, line
