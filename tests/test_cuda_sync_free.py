@@ -139,10 +139,10 @@ def test_invalid_ids_flagged_not_read_back(backend: str) -> None:
 
 def run_early_drop(backend: str, seed: int) -> int:
     """Inputs and outputs of a call with `async_with_compute_stream=False` may be dropped as soon
-    as it returns, while the comm stream has not yet run it: the allocator hands their blocks to
-    the next allocations of the current stream, which waits for the comm stream first (the
-    library calls no `record_stream` in that case). Each call's results equal those of the same
-    call with every tensor kept alive."""
+    as it returns, while the comm stream has not yet run it: each call's results equal those of
+    the same call with every tensor kept alive, and blocks of dropped outputs refilled at once
+    keep the refill (the current stream waits for the comm stream before it runs the fill; the
+    library calls no `record_stream` on those outputs)."""
     buffer = Buffer(dist.group.WORLD, 256, 512, 4, backend=backend)
     comm = buffer.get_comm_stream()
 
@@ -183,6 +183,16 @@ def run_early_drop(backend: str, seed: int) -> int:
         torch.cuda.synchronize()
         assert_equal("combined_x after its inputs were dropped", out, want_out)
         assert_equal("combined weights after its inputs were dropped", out_w, want_out_w)
+
+        busy_comm_stream()
+        dropped = [t for t in buffer.dispatch(x, idx, w, **kwargs)[:3] if t is not None]
+        like = [(t.shape, t.dtype) for t in dropped]
+        del dropped
+        refills = [torch.full(shape, 7, dtype=dtype, device=x.device) for shape, dtype in like]
+        torch.cuda.synchronize()
+        for refill in refills:
+            assert bool((refill == 7).all()), "the comm stream wrote a dropped output's block " \
+                "after the current stream had refilled it"
         checked += 1
     return checked
 

@@ -296,13 +296,21 @@ class Buffer:
         outputs = alloc.allocated
         held = None
         if not async_with_compute_stream:
-            # The current stream waits for the comm stream below, so every block of its pool
-            # this call touched is reused only after the comm stream is done with it, and
-            # blocks of the comm stream's pool are reused in the comm stream's own order.
-            # Left to protect: outputs of the comm stream's pool, read on the current stream.
-            if allocate_on_comm_stream and not self.avoid_record_stream:
-                for tensor in outputs:
-                    tensor.record_stream(compute)
+            # The current stream waits for the comm stream below, so blocks of its pool (every
+            # output allocated there) are reused only after the comm stream is done with them,
+            # and blocks of the comm stream's pool in the comm stream's own order. Left to
+            # protect: inputs (they may come from any stream's pool) and outputs of the comm
+            # stream's pool, read on the current stream.
+            if self.avoid_record_stream:
+                held = used
+                if not torch.cuda.is_current_stream_capturing():
+                    self._pending.append((event, held))
+            else:
+                for tensor in used:
+                    tensor.record_stream(comm)
+                if allocate_on_comm_stream:
+                    for tensor in outputs:
+                        tensor.record_stream(compute)
             compute.wait_event(event)
         elif self.avoid_record_stream:
             held = used + outputs
