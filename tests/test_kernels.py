@@ -140,30 +140,20 @@ def test_receive_times_out_instead_of_hanging():
     assert rank.counts[0].item() == 0  # the late source counts as empty
 
 
-def _combine_example(rank: OneRank, x, weights):
-    layout = combine.CombineLayout(H, K)
-    combine.send(SHAPE, rank.combine, layout, rank.sync, _t([1], i32),
-                 _t([[0, 1, 0, 2]], i32), x, weights, False, rank.error, TIMEOUT)
-    return layout
-
-
-def test_combine_send_example():
+def test_combine_example():
+    """`combine.combine`'s docstring example on one rank: the returned record, then the sums."""
     rank = OneRank()
-    layout = _combine_example(rank, _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32))
+    layout = combine.CombineLayout(H, K)
+    out = torch.full((2, H), -7, dtype=bf16, device=DEV)
+    weights = torch.full((2, K), -7, dtype=torch.float32, device=DEV)
+    combine.combine(SHAPE, rank.combine, layout, rank.sync, _t([1], i32), _t([[0, 1, 0, 2]], i32),
+                    _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32), False,
+                    _t([[0, 0], [-1, -1]], i32), (_t([[1, 1], [2, 2]], bf16),), out, weights,
+                    rank.error, TIMEOUT)
     assert layout.words == 8 and layout.weight_offset == 4  # 16-byte aligned fields
     record = rank.record(REGION + 4 * 48, 0, 8)
     assert record[0] == _word([5, 6], bf16)
     assert record[4:6] == [_word([0.5], torch.float32), _word([0.25], torch.float32)]
-    assert rank.counters(24) == [1, 0, 0]
-
-
-def test_reduce_example():
-    rank = OneRank()
-    layout = _combine_example(rank, _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32))
-    out = torch.full((2, H), -7, dtype=bf16, device=DEV)
-    weights = torch.full((2, K), -7, dtype=torch.float32, device=DEV)
-    combine.reduce(SHAPE, rank.combine, layout, rank.sync, _t([[0, 0], [-1, -1]], i32),
-                   (_t([[1, 1], [2, 2]], bf16),), out, weights, rank.error, TIMEOUT)
     assert out.tolist() == [[6, 7], [2, 2]]
     assert weights.tolist() == [[0.5, 0.25], [0, 0]]
     assert rank.counters(24) == [1, 1, 0] and int(rank.error) == 0
@@ -184,12 +174,10 @@ def test_reduce_rounds_like_torch():
     bias = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEV)
     meta = torch.stack([torch.arange(tokens), torch.zeros(tokens, dtype=i64),
                         torch.arange(tokens)], 1).to(i32).to(DEV)
-    combine.send(shape, stage, layout, rank.sync, _t([tokens], i32), meta, x, None, False,
-                 rank.error, TIMEOUT)
     out = torch.empty(tokens, hidden, dtype=bf16, device=DEV)
-    combine.reduce(shape, stage, layout, rank.sync, torch.arange(tokens, dtype=i32,
-                                                                  device=DEV).view(-1, 1),
-                   (bias,), out, None, rank.error, TIMEOUT)
+    slots = torch.arange(tokens, dtype=i32, device=DEV).view(-1, 1)
+    combine.combine(shape, stage, layout, rank.sync, _t([tokens], i32), meta, x, None, False,
+                    slots, (bias,), out, None, rank.error, TIMEOUT)
     assert torch.equal(out, (bias.float() + x.float()).bfloat16())
 
 

@@ -10,11 +10,12 @@ S = the buffer's `num_max_tokens_per_rank`. Block s of a staging region is writt
 s, so no two ranks ever write the same bytes. Counters only grow (each of the P programs of a
 kernel adds 1 per call), so nothing is ever reset and CUDA graphs can replay calls.
 
-One call is two launches per stage (the kernels' docstrings have the steps):
+One call is two launches (dispatch) or one (combine) (the kernels' docstrings have the steps):
 - dispatch: `send` (route, wait for the peers to free the previous call's records, push, raise
   ready) and `receive` (wait for ready, copy out into the layout, free); a synchronizing dispatch
   runs `receive` once more first, counting only, to size its outputs on the host.
-- combine: `send` (return rows, reduced per token in the expand layout) and `reduce`.
+- combine: one launch, `combine_kernel` (return rows, reduced per token in the expand layout,
+  then reduce what came back).
 A wait that runs past the buffer's timeout sets the stage's timeout bit of `errors` in the device
 error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the rank and stage,
 a sync-free one leaves it for `Buffer.check_errors()`. After a timeout the ranks' counters
@@ -45,8 +46,10 @@ from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
 FP8_BLOCK = 128
 _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, counting pass)
 # Tiles of the GPU kernels: 16 rows x 512 words (32 KB of loads in flight per program; 7168
-# bf16 is exactly 7 steps), 16 rows x 1024 bf16 in combine (16 warps for the fp32 sums).
-_GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=1024,
+# bf16 is exactly 7 steps), 16 rows x 512 bf16 in combine (16 warps for the fp32 sums). The
+# fused combine kernel spills at 16 x 1024 (128 registers, the cap at 16 warps; 91 at 16 x 512,
+# scripts/compile_sm90.py); not yet measured on the GPU.
+_GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=512,
                  combine_warps=16)
 _CPU_TILE = dict(rows=4, block_w=64, num_warps=1, combine_rows=4, block_h=64, combine_warps=1)
 
@@ -334,11 +337,9 @@ class SymmetricBackend(Backend):
     # -- combine ---------------------------------------------------------------------------
     def _combine(self, stage: Stage, sync, rank_psum, metadata, x, weights, expand: bool,
                  slots, biases, out, weights_out, error, stream=None) -> None:
-        shape, layout = self.combine_shape, self.combine_layout
-        combine_kernels.send(shape, stage, layout, sync, rank_psum, metadata, x, weights, expand,
-                             error, self.timeout, stream=stream)
-        combine_kernels.reduce(shape, stage, layout, sync, slots, biases, out, weights_out,
-                               error, self.timeout, stream=stream)
+        combine_kernels.combine(self.combine_shape, stage, self.combine_layout, sync, rank_psum,
+                                metadata, x, weights, expand, slots, biases, out, weights_out,
+                                error, self.timeout, stream=stream)
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         handle = request.handle
