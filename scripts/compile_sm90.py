@@ -33,14 +33,12 @@ REGISTERS_PER_SM = 65536  # sm_90
 SHAPES = {"dsv3": (8, 8, 512, 512, 4, 8), "test": (4, 1, 128, 256, 4, 8),
           "odd": (3, 3, 32, 64, 1, 8)}
 POINTERS = {  # pointer arguments and their element types; every other argument is i32/i64
-    dispatch.dispatch_send_kernel: dict(
-        bases_ptr="i64", sync_ptr="i64", counts_scratch="i32", pos_scratch="i32",
-        idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32", p1_ptr="i32",
-        slot_out="i32", error_ptr="i32"),
-    dispatch.dispatch_receive_kernel: dict(
-        bases_ptr="i64", sync_ptr="i64", hist_ptr="i32", gap_ptr="i32", idx_out="i64",
-        w_out="i32", meta_out="i32", rank_psum_out="i32", expert_count_out="i32",
-        expert_psum_out="i32", p0_out="i32", p1_out="i32", error_ptr="i32"),
+    dispatch.dispatch_kernel: dict(
+        bases_ptr="i64", sync_ptr="i64", error_ptr="i32", counts_scratch="i32",
+        pos_scratch="i32", idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32",
+        p1_ptr="i32", slot_out="i32", hist_ptr="i32", gap_ptr="i32", idx_out="i64", w_out="i32",
+        meta_out="i32", rank_psum_out="i32", expert_count_out="i32", expert_psum_out="i32",
+        q0_out="i32", q1_out="i32"),
     combine.combine_kernel: dict(
         bases_ptr="i64", sync_ptr="i64", rank_psum_ptr="i32", meta_ptr="i32", x_ptr="i16",
         weights_ptr="i32", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16", out_ptr="i16",
@@ -54,7 +52,7 @@ def _constants(fn, shape) -> tuple[dict, int]:
                 ROWS=16, USE_TIMER=True)
     if fn is combine.combine_kernel:
         return dict(base, VEC=vec_h, BLOCK_H=block_h), 16
-    extra = dict(BLOCK_M=16, BLOCK_E=64) if fn is dispatch.dispatch_receive_kernel else {}
+    extra = dict(BLOCK_M=16, BLOCK_E=64)
     return dict(base, VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), 8
 
 

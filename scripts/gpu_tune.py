@@ -29,6 +29,8 @@ import triton.language as tl
 from epcomm.launch import run_local_ranks
 
 CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
+    (16, 512, 8, 16, 512, 16),
+    (16, 512, 8, 8, 1024, 16),
     (16, 512, 8, 16, 1024, 16),
     (8, 512, 8, 8, 1024, 8),
     (32, 512, 16, 16, 512, 8),
@@ -72,8 +74,7 @@ def tiles(tokens, hidden, topk, experts):
     from epcomm.buffer import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, w = _data(tokens, hidden, topk, experts, device)
-    names = ("dispatch_send_kernel", "dispatch_receive_kernel", "combine_send_kernel",
-             "reduce_kernel")
+    names = ("dispatch_kernel", "combine_kernel")
     rows = []
     for rows_d, block_w, warps_d, rows_c, block_h, warps_c in CANDIDATES:
         symmetric._GPU_TILE = dict(rows=rows_d, block_w=block_w, num_warps=warps_d,
@@ -248,8 +249,8 @@ def main():
         return
     rows = run_local_ranks(tiles, 1, *shape, timeout_s=600)[0]
     print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
-    print("| dispatch rows/width/warps | combine rows/width/warps | layout | send | receive | "
-          "combine send | reduce |\n|---|---|---|---|---|---|---|")
+    print("| dispatch rows/width/warps | combine rows/width/warps | layout | dispatch | "
+          "combine |\n|---|---|---|---|---|")
     for tile, expand, times in rows:
         print(f"| {tile[0]}/{tile[1]}/{tile[2]} | {tile[3]}/{tile[4]}/{tile[5]} | "
               f"{'expand' if expand else 'compact'} | "
