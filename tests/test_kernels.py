@@ -221,13 +221,15 @@ def test_launch_hooks_passed_only_when_set():
     """Triton 3.9 keeps an empty `HookChain` as `launch_enter_hook` when no profiler is
     attached; the launcher must treat it as no hook (calling it costs host time, and a check for
     None alone once sent every launch the generic way), and pass any real hook on."""
-    from triton.knobs import HookChain
+    from triton import knobs
 
     from epcomm.kernels.launcher import _hook
-    chain = HookChain()
-    assert _hook(None) is None and _hook(chain) is None
-    chain.add(print)
-    assert _hook(chain) is chain and _hook(print) is print
+    assert _hook(None) is None and _hook(print) is print
+    if hasattr(knobs, "HookChain"):  # (a Triton with plain hooks has nothing more to check)
+        chain = knobs.HookChain()
+        assert _hook(chain) is None
+        chain.add(print)
+        assert _hook(chain) is chain
 
 
 def test_aligned_parts_are_views_of_one_block_on_16_byte_boundaries():
