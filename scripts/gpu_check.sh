@@ -15,16 +15,7 @@ set -uo pipefail
 export PYTHONPATH=src
 out=${OUT:-/tmp}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
-summary=()
-step() {  # name, limit_s, command...
-  local name=$1 limit=$2; shift 2
-  local start=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-11s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
-  echo "---- $name (rc=$rc) ----"
-  tail -n "${TAIL_LINES:-30}" "$out/$name.log"
-}
+source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" symmetric "* ]] || step symmetric "${SYMMETRIC_S:-170}" python3 scripts/gpu_symmetric.py --ranks 2 4
 [[ " ${SKIP:-} " == *" symmetric8 "* ]] || step symmetric8 "${SYMMETRIC8_S:-120}" python3 scripts/gpu_symmetric.py --ranks 8 --tokens 1024 --no-bench
 [[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-170} LIFETIME_RUN_TIMEOUT_S=60 \
@@ -34,5 +25,4 @@ step() {  # name, limit_s, command...
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
    -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped)"'
 [[ " ${SKIP:-} " == *" bench "* ]] || step bench "${BENCH_S:-150}" python3 -m epcomm bench --json "$out/bench.json" --no-progress
-echo "==== summary ===="
-printf '%s\n' "${summary[@]}"
+print_summary

@@ -16,16 +16,7 @@ out=${OUT:-/tmp}
 gpus=$(python3 -c "import torch; print(torch.cuda.device_count())")
 ranks=${RANKS:-$gpus}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name(), '$gpus GPUs, $ranks ranks')"
-summary=()
-step() {  # name, limit_s, command...
-  local name=$1 limit=$2; shift 2
-  local start=$(date +%s)
-  timeout -k 10 "$limit" "$@" > "$out/$name.log" 2>&1
-  local rc=$?
-  summary+=("$(printf '%-9s rc=%-3s %4ss' "$name" "$rc" "$(( $(date +%s) - start ))")")
-  echo "---- $name (rc=$rc) ----"
-  tail -n "${TAIL_LINES:-40}" "$out/$name.log"
-}
+source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" matrix "* ]] || step matrix "${MATRIX_S:-900}" \
   python3 scripts/gpu_multi.py --ranks "$ranks"
 [[ " ${SKIP:-} " == *" bench "* ]] || step bench "${BENCH_S:-900}" \
@@ -35,5 +26,4 @@ step() {  # name, limit_s, command...
    python3 tests/test_recv_lifetime.py --num-processes $ranks --num-tokens 4096 --hidden 7168 --device cuda --negative-control"
 [[ " ${SKIP:-} " == *" tests "* ]] || step tests "${TESTS_S:-900}" \
   python3 -m pytest -q -x tests/test_kernels.py tests/test_cuda_sync_free.py tests/test_dispatch_combine.py -k "cuda or kernel"
-echo "==== summary ===="
-printf '%s\n' "${summary[@]}"
+print_summary

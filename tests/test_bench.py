@@ -107,3 +107,15 @@ def test_peer_table_lists_baselines_and_why_one_did_not_run():
     assert len(lines) == 2 and " 24 |" in lines[0] and "n/a" not in lines[0]
     assert lines[1].count("n/a") == 4
     assert "all_to_all_vdev_2d did not run: rank 0: RuntimeError: x" in text
+
+
+def test_multi_gpu_matrix_script_runs_on_cpu_ranks():
+    """`scripts/gpu_multi.py` (issue 5's matrix run, one process per GPU) has a CPU mode, so its
+    plumbing is checked here before it meets a machine with several GPUs."""
+    cmd = [sys.executable, str(Path(SRC).parent / "scripts" / "gpu_multi.py"), "--cpu",
+           "--ranks", "2", "--tokens", "8", "--hidden", "64", "--topk", "2", "--experts", "8",
+           "--backends", "collective"]
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "collective: 64 cases bitwise equal" in proc.stdout, proc.stdout
+    assert re.search(r"^\| collective \| collective \| None \| 64 \| ok \|", proc.stdout, re.M)

@@ -51,6 +51,20 @@ def test_matrix(num_ranks: int, device: str) -> None:
     assert counts == [64] * num_ranks
 
 
+def run_narrow_fp8_rows(seed: int) -> int:
+    """FP8 rows of at most 128 values have one scale column; with no tokens on a rank, torch
+    makes that [0, 1] scales tensor "contiguous" with stride 0, which a byte view rejects."""
+    buffer = _buffer("cpu:collective", 6, 64, 2)
+    for i, expand in enumerate((False, True)):
+        check_round_trip(buffer, Case(tokens="empty_last", num_experts=4, fp8=True,
+                                      do_expand=expand, seed=seed + i))
+    return 2
+
+
+def test_fp8_rows_of_one_scale_with_an_empty_rank() -> None:
+    assert run_local_ranks(run_narrow_fp8_rows, 2, BASE_SEED) == [2, 2]
+
+
 def run_stream_options(target: str, avoid_record_stream: str, seed: int) -> int:
     """Every combination of the stream options, bitwise; on CPU they are no-ops."""
     os.environ["EP_AVOID_RECORD_STREAM"] = avoid_record_stream

@@ -84,7 +84,10 @@ def _exchange_counts(send_counts: Sequence[int], group, device) -> list:
 
 def _as_bytes(t: Tensor) -> Tensor:
     """``[n, ...]`` tensor of any dtype -> ``[n, row_bytes]`` uint8 view (of a contiguous copy)."""
-    return t.contiguous().reshape(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+    rows = t.contiguous().reshape(t.shape[0], math.prod(t.shape[1:]))
+    if rows.stride(-1) != 1:  # "contiguous" with a size-1 or empty dim may keep any stride there
+        rows = rows.clone(memory_format=torch.contiguous_format)
+    return rows.view(torch.uint8)
 
 
 def _from_bytes(b: Tensor, dtype: torch.dtype, row_shape: tuple) -> Tensor:

@@ -28,7 +28,12 @@ from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """View a 2-D [T, n] tensor as [T, n * itemsize] uint8 (copying only if not contiguous)."""
-    return tensor.contiguous().view(torch.uint8)
+    tensor = tensor.contiguous()
+    if tensor.stride(-1) != 1:
+        # A contiguous tensor whose last dimension has size 1 may carry any stride there
+        # (FP8 scales of rows up to 128 wide: [T, 1]); a dtype view needs stride 1.
+        tensor = tensor.flatten().view(tensor.shape)
+    return tensor.view(torch.uint8)
 
 
 def _gather_records(records: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
