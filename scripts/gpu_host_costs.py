@@ -8,11 +8,12 @@ launch styles on a 40-argument kernel), the numbers behind the host path's desig
 """
 from __future__ import annotations
 
-import time
 
 import torch
 import triton
 import triton.language as tl
+
+from host_timing import median_host_us
 
 
 @triton.jit(do_not_specialize=["i0", "i1", "i2", "i3", "i4", "i5", "i6", "i7", "i8", "i9",
@@ -21,18 +22,6 @@ def forty(t0, t1, t2, t3, t4, t5, t6, t7, t8, t9, t10, t11, t12, t13, t14, t15, 
           t19, t20, t21, t22, t23, t24, i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12,
           i13, i14, K: tl.constexpr, R: tl.constexpr):
     pass
-
-
-def median_us(fn, iters=200):
-    for _ in range(10):
-        fn()
-    samples = []
-    for _ in range(iters):
-        begin = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - begin)
-    torch.cuda.synchronize()
-    return sorted(samples)[iters // 2] * 1e6
 
 
 def main():
@@ -96,7 +85,7 @@ def main():
     print("torch", torch.__version__, "triton", triton.__version__)
     print("| host piece | median us |\n|---|---|")
     for name, fn in pieces:
-        print(f"| {name} | {median_us(fn):.2f} |")
+        print(f"| {name} | {median_host_us(fn, 200, warmup=10, idle=False):.2f} |")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch.distributed as dist
 os.environ.setdefault("EP_AVOID_RECORD_STREAM", "1")  # graph capture must not record_stream
 
 from epcomm.launch import run_local_ranks  # noqa: E402
+from host_timing import median_host_us  # noqa: E402
 
 
 def _rows(x):
@@ -152,14 +153,7 @@ def _cuda_time(fn, iters):
         fn()
     end.record()
     torch.cuda.synchronize()
-    host = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        fn()
-        host.append(time.perf_counter() - begin)
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters * 1e-3, sorted(host)[iters // 2]
+    return start.elapsed_time(end) / iters * 1e-3, median_host_us(fn, iters, warmup=0) * 1e-6
 
 
 def _launches(fn):

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from epcomm.launch import run_local_ranks
+from host_timing import median_host_us
 
 CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
     (16, 512, 8, 16, 512, 16),
@@ -94,18 +95,6 @@ def empty_kernel(a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, b0, b1, b2, b3, b4, b5,
     pass
 
 
-def _median_host(fn, iters=20):
-    fn()
-    samples = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        begin = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - begin)
-    torch.cuda.synchronize()
-    return sorted(samples)[iters // 2] * 1e6
-
-
 def host(tokens, hidden, topk, experts):
     from epcomm.buffer import Buffer
 
@@ -139,7 +128,7 @@ def host(tokens, hidden, topk, experts):
     ]
     print("| host piece | median us |\n|---|---|")
     for name, fn in pieces:
-        print(f"| {name} | {_median_host(fn):.1f} |")
+        print(f"| {name} | {median_host_us(fn):.1f} |")
     for name, call in (("dispatch", dispatch), ("combine", combine)):
         print(f"\nInclusive host us per {name} call (10 calls, GPU idle before each):")
         print(_breakdown(call))

@@ -119,3 +119,16 @@ def test_multi_gpu_matrix_script_runs_on_cpu_ranks():
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert "collective: 64 cases bitwise equal" in proc.stdout, proc.stdout
     assert re.search(r"^\| collective \| collective \| None \| 64 \| ok \|", proc.stdout, re.M)
+
+
+def test_peer_figures_without_a_bf16_case():
+    """all_to_all_vdev_2d's combine is timed after its bf16 dispatch only: an FP8-only run has
+    dispatch figures and no combine figure (it must not fail)."""
+    from epcomm.bench import Case, _add_peer_figures
+    timing = {"s": 1e-4, "host_s": 1e-5, "iters": 3}
+    bases = [{"p2p_fp8": dict(timing, bytes=10), "vdev2d_dispatch_fp8": dict(timing, pairs=4)}]
+    records = [{"dispatch_bytes": 100, "combine_bytes": 200}]
+    row: dict = {}
+    _add_peer_figures(row, Case("dsv3", "compact", "fp8", False), bases, records)
+    assert row["vdev2d_dispatch"]["us"] == 100.0 and "vdev2d_combine" not in row
+    assert row["p2p"]["gbps"] > 0

@@ -24,7 +24,6 @@ _comm_streams: dict[int, "torch.cuda.Stream"] = {}
 FP8_BLOCK = 128
 
 
-
 def _check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
                   device: torch.device) -> None:
     if not isinstance(tensor, torch.Tensor):
@@ -223,12 +222,13 @@ class Buffer:
                                  f"got {tuple(topk_weights.shape)}")
         return rows, topk_idx, topk_weights
 
-    def _validate_handle(self, handle, num_tokens: int) -> None:
+    def _validate_handle(self, handle, num_tokens: Optional[int] = None) -> None:
+        """`handle` is one this buffer made (for `num_tokens` tokens, if given)."""
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle, got {type(handle).__name__}")
         if handle.buffer_id != self.buffer_id:
             raise ValueError("handle was made by another Buffer; use the buffer that dispatched it")
-        if handle.num_tokens != num_tokens:
+        if num_tokens is not None and handle.num_tokens != num_tokens:
             raise ValueError(f"handle was made for {handle.num_tokens} tokens, "
                              f"this call has {num_tokens}")
 
@@ -294,26 +294,17 @@ class Buffer:
         event = torch.cuda.Event()
         event.record(comm)
         outputs = alloc.allocated
+        # Without `async_with_compute_stream` the current stream waits for the comm stream
+        # below, so blocks of its pool (every output allocated there) are reused only after the
+        # comm stream is done with them, and blocks of the comm stream's pool in the comm
+        # stream's own order: then only inputs (they may come from any stream's pool) and
+        # outputs of the comm stream's pool, read on the current stream, need protecting.
+        guard_outputs = async_with_compute_stream or allocate_on_comm_stream
         held = None
-        if not async_with_compute_stream:
-            # The current stream waits for the comm stream below, so blocks of its pool (every
-            # output allocated there) are reused only after the comm stream is done with them,
-            # and blocks of the comm stream's pool in the comm stream's own order. Left to
-            # protect: inputs (they may come from any stream's pool) and outputs of the comm
-            # stream's pool, read on the current stream.
-            if self.avoid_record_stream:
-                held = used
-                if not torch.cuda.is_current_stream_capturing():
-                    self._pending.append((event, held))
-            else:
-                for tensor in used:
-                    tensor.record_stream(comm)
-                if allocate_on_comm_stream:
-                    for tensor in outputs:
-                        tensor.record_stream(compute)
-            compute.wait_event(event)
-        elif self.avoid_record_stream:
-            held = used + outputs
+        if self.avoid_record_stream:
+            # (With allocate_on_comm_stream and no async, nothing marks the current stream as
+            # a reader of the outputs: README, EP_AVOID_RECORD_STREAM.)
+            held = used + outputs if async_with_compute_stream else used
             # A captured event cannot be queried later; inside a graph the graph's private
             # pool keeps the memory, and the event still carries the references.
             if not torch.cuda.is_current_stream_capturing():
@@ -321,8 +312,11 @@ class Buffer:
         else:
             for tensor in used:
                 tensor.record_stream(comm)
-            for tensor in outputs:
-                tensor.record_stream(compute if allocate_on_comm_stream else comm)
+            if guard_outputs:
+                for tensor in outputs:
+                    tensor.record_stream(compute if allocate_on_comm_stream else comm)
+        if not async_with_compute_stream:
+            compute.wait_event(event)
         return result, EventOverlap(event, extra_tensors=held)
 
     # -- dispatch and combine --------------------------------------------------------------
@@ -432,10 +426,7 @@ class Buffer:
                 0 for -1 slots; None without `topk_weights`.
             event: `EventOverlap` on the comm stream.
         """
-        if not isinstance(handle, EPHandle):
-            raise TypeError(f"handle must be an EPHandle, got {type(handle).__name__}")
-        if handle.buffer_id != self.buffer_id:
-            raise ValueError("handle was made by another Buffer; use the buffer that dispatched it")
+        self._validate_handle(handle)
         rows = handle.num_output_rows
         _check_tensor("x", x, (torch.bfloat16,), 2, self.device)
         if x.shape != (rows, self.hidden):

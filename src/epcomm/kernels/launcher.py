@@ -41,7 +41,8 @@ class Launcher:
         self.constants = {name: value for name, value in constants.items()
                           if name in fn.arg_names or name.startswith("num_")}
         # The compiled kernel takes every parameter, constexprs included, in order.
-        self.tail = tuple(self.constants[name] for name in fn.arg_names if name in constants)
+        self.tail = tuple(self.constants[name] for name in fn.arg_names
+                          if name in self.constants)
         self.compiled: dict = {}  # variant -> CompiledKernel
         self.fast = not INTERPRET
         self.generic_launches = 0
