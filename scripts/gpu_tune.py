@@ -84,9 +84,19 @@ def tiles(tokens, hidden, topk, experts):
         for expand in (False, True):
             times = _kernel_times(buffer, x, idx, w, experts, expand)
             rows.append(((rows_d, block_w, warps_d, rows_c, block_h, warps_c), expand,
-                         [times.get(n, float("nan")) for n in names]))
+                         [times.get(n, float("nan")) for n in names], _registers(buffer)))
         buffer.destroy()
     return rows
+
+
+def _registers(buffer) -> str:
+    """Registers per thread and spill bytes of each compiled variant ("kernel regs/spills")."""
+    found = []
+    for shape in (buffer._impl.shape, buffer._impl.combine_shape):
+        for launcher in shape.launchers.values():
+            for kernel in launcher.compiled.values():
+                found.append(f"{launcher.fn.__name__} {kernel.n_regs}/{kernel.n_spills}")
+    return ", ".join(sorted(set(found)))
 
 
 @triton.jit
@@ -239,11 +249,11 @@ def main():
     rows = run_local_ranks(tiles, 1, *shape, timeout_s=600)[0]
     print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
     print("| dispatch rows/width/warps | combine rows/width/warps | layout | dispatch | "
-          "combine |\n|---|---|---|---|---|")
-    for tile, expand, times in rows:
+          "combine | registers/spill bytes |\n|---|---|---|---|---|---|")
+    for tile, expand, times, registers in rows:
         print(f"| {tile[0]}/{tile[1]}/{tile[2]} | {tile[3]}/{tile[4]}/{tile[5]} | "
               f"{'expand' if expand else 'compact'} | "
-              + " | ".join(f"{t:.1f}" for t in times) + " |")
+              + " | ".join(f"{t:.1f}" for t in times) + f" | {registers} |")
 
 
 if __name__ == "__main__":
