@@ -25,12 +25,14 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from epcomm.backends.symmetric import _GPU_TILE as TILE  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536  # sm_90
-# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine))
-SHAPES = {"dsv3": (8, 8, 512, 512, 4, 8), "test": (4, 1, 128, 256, 4, 8),
+# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine));
+# the DeepSeek-V3 one with the GPU tile of backends/symmetric.py
+SHAPES = {"dsv3": (8, 8, TILE["block_w"], TILE["block_h"], 4, 8), "test": (4, 1, 128, 256, 4, 8),
           "odd": (3, 3, 32, 64, 1, 8)}
 POINTERS = {  # pointer arguments and their element types; every other argument is i32/i64
     dispatch.dispatch_kernel: dict(
@@ -49,11 +51,13 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
 def _constants(fn, shape) -> tuple[dict, int]:
     K, R, block_w, block_h, vec, vec_h = shape
     base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
-                ROWS=16, USE_TIMER=True)
+                USE_TIMER=True)
     if fn is combine.combine_kernel:
-        return dict(base, VEC=vec_h, BLOCK_H=block_h), 16
+        return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
+            TILE["combine_warps"]
     extra = dict(BLOCK_M=16, BLOCK_E=64)
-    return dict(base, VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), 8
+    return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
+        TILE["num_warps"]
 
 
 def compile_kernel(fn, shape):
