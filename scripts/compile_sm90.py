@@ -25,39 +25,39 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from epcomm.backends.symmetric import _GPU_TILE as TILE  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536  # sm_90
-# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine))
-SHAPES = {"dsv3": (8, 8, 512, 1024, 4, 8), "test": (4, 1, 128, 256, 4, 8),
+# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine));
+# the DeepSeek-V3 one with the GPU tile of backends/symmetric.py
+SHAPES = {"dsv3": (8, 8, TILE["block_w"], TILE["block_h"], 4, 8), "test": (4, 1, 128, 256, 4, 8),
           "odd": (3, 3, 32, 64, 1, 8)}
 POINTERS = {  # pointer arguments and their element types; every other argument is i32/i64
-    dispatch.dispatch_send_kernel: dict(
-        bases_ptr="i64", sync_ptr="i64", counts_scratch="i32", pos_scratch="i32",
-        idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32", p1_ptr="i32",
-        slot_out="i32", error_ptr="i32"),
-    dispatch.dispatch_receive_kernel: dict(
-        bases_ptr="i64", sync_ptr="i64", hist_ptr="i32", gap_ptr="i32", idx_out="i64",
-        w_out="i32", meta_out="i32", rank_psum_out="i32", expert_count_out="i32",
-        expert_psum_out="i32", p0_out="i32", p1_out="i32", error_ptr="i32"),
-    combine.combine_send_kernel: dict(
+    dispatch.dispatch_kernel: dict(
+        bases_ptr="i64", sync_ptr="i64", error_ptr="i32", counts_scratch="i32",
+        pos_scratch="i32", idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32",
+        p1_ptr="i32", slot_out="i32", hist_ptr="i32", gap_ptr="i32", idx_out="i64", w_out="i32",
+        meta_out="i32", rank_psum_out="i32", expert_count_out="i32", expert_psum_out="i32",
+        q0_out="i32", q1_out="i32"),
+    combine.combine_kernel: dict(
         bases_ptr="i64", sync_ptr="i64", rank_psum_ptr="i32", meta_ptr="i32", x_ptr="i16",
-        weights_ptr="i32", error_ptr="i32"),
-    combine.reduce_kernel: dict(
-        bases_ptr="i64", sync_ptr="i64", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16",
-        out_ptr="i16", w_out="i32", error_ptr="i32"),
+        weights_ptr="i32", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16", out_ptr="i16",
+        w_out="i32", error_ptr="i32"),
 }
 
 
 def _constants(fn, shape) -> tuple[dict, int]:
     K, R, block_w, block_h, vec, vec_h = shape
     base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
-                ROWS=16, USE_TIMER=True)
-    if fn in (combine.combine_send_kernel, combine.reduce_kernel):
-        return dict(base, VEC=vec_h, BLOCK_H=block_h), 16
-    extra = dict(BLOCK_M=16, BLOCK_E=64) if fn is dispatch.dispatch_receive_kernel else {}
-    return dict(base, VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), 8
+                USE_TIMER=True)
+    if fn is combine.combine_kernel:
+        return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
+            TILE["combine_warps"]
+    extra = dict(BLOCK_M=16, BLOCK_E=64)
+    return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
+        TILE["num_warps"]
 
 
 def compile_kernel(fn, shape):

@@ -30,6 +30,8 @@ from epcomm.launch import run_local_ranks
 from host_timing import median_host_us
 
 CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
+    (16, 512, 8, 16, 512, 16),
+    (16, 512, 8, 8, 1024, 16),
     (16, 512, 8, 16, 1024, 16),
     (8, 512, 8, 8, 1024, 8),
     (32, 512, 16, 16, 512, 8),
@@ -73,8 +75,7 @@ def tiles(tokens, hidden, topk, experts):
     from epcomm.buffer import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, w = _data(tokens, hidden, topk, experts, device)
-    names = ("dispatch_send_kernel", "dispatch_receive_kernel", "combine_send_kernel",
-             "reduce_kernel")
+    names = ("dispatch_kernel", "combine_kernel")
     rows = []
     for rows_d, block_w, warps_d, rows_c, block_h, warps_c in CANDIDATES:
         symmetric._GPU_TILE = dict(rows=rows_d, block_w=block_w, num_warps=warps_d,
@@ -83,9 +84,19 @@ def tiles(tokens, hidden, topk, experts):
         for expand in (False, True):
             times = _kernel_times(buffer, x, idx, w, experts, expand)
             rows.append(((rows_d, block_w, warps_d, rows_c, block_h, warps_c), expand,
-                         [times.get(n, float("nan")) for n in names]))
+                         [times.get(n, float("nan")) for n in names], _registers(buffer)))
         buffer.destroy()
     return rows
+
+
+def _registers(buffer) -> str:
+    """Registers per thread and spill bytes of each compiled variant ("kernel regs/spills")."""
+    found = []
+    for shape in (buffer._impl.shape, buffer._impl.combine_shape):
+        for launcher in shape.launchers.values():
+            for kernel in launcher.compiled.values():
+                found.append(f"{launcher.fn.__name__} {kernel.n_regs}/{kernel.n_spills}")
+    return ", ".join(sorted(set(found)))
 
 
 @triton.jit
@@ -237,12 +248,12 @@ def main():
         return
     rows = run_local_ranks(tiles, 1, *shape, timeout_s=600)[0]
     print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
-    print("| dispatch rows/width/warps | combine rows/width/warps | layout | send | receive | "
-          "combine send | reduce |\n|---|---|---|---|---|---|---|")
-    for tile, expand, times in rows:
+    print("| dispatch rows/width/warps | combine rows/width/warps | layout | dispatch | "
+          "combine | registers/spill bytes |\n|---|---|---|---|---|---|")
+    for tile, expand, times, registers in rows:
         print(f"| {tile[0]}/{tile[1]}/{tile[2]} | {tile[3]}/{tile[4]}/{tile[5]} | "
               f"{'expand' if expand else 'compact'} | "
-              + " | ".join(f"{t:.1f}" for t in times) + " |")
+              + " | ".join(f"{t:.1f}" for t in times) + f" | {registers} |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line]
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert len(lines) == 12, run.stdout
+    assert len(lines) == 6, run.stdout
     for line in lines:
         if line.startswith("dsv3 "):  # every row copy of the DeepSeek-V3 shape is vectorized
             assert int(re.search(r"v4 accesses (\d+)", line).group(1)) > 0, line

@@ -89,6 +89,75 @@ def test_stream_options(avoid_record_stream: str, device: str) -> None:
     assert run_local_ranks(run_stream_options, 2, device, avoid_record_stream, BASE_SEED) == [12, 12]
 
 
+def run_stream_order(target: str, seed: int) -> int:
+    """Calls through one buffer never overlap, whichever stream is current, even when one
+    rank's streams lag (rank 0 sleeps before its calls): a plain call queued behind a sleeping
+    stream A, then calls on stream B; an async call queued behind the sleeping comm stream, then
+    a plain call that does not wait for its event. A call that overtook an earlier one would
+    meet the peer's earlier call and get its rows. Every result is checked against the
+    reference. On the symmetric backend a plain call after one on the same stream skips the
+    comm stream: it completes while the comm stream still sleeps."""
+    buffer = _buffer(target, 8, 64, 2)
+    rank, group, num_experts = buffer.rank, buffer.group, 2 * buffer.num_ranks
+    gen = torch.Generator().manual_seed(seed + rank)
+    sleep = 50_000_000 if rank == 0 else 0  # clock cycles: tens of milliseconds
+
+    def draw():
+        x = torch.randn(8, 64, generator=gen).to(torch.bfloat16)
+        idx = torch.stack([torch.randperm(num_experts, generator=gen)[:2] for _ in range(8)])
+        return x, idx, torch.randn(buffer.num_ranks * 8, 64, generator=gen).to(torch.bfloat16)
+
+    data = [draw() for _ in range(5)]
+    cuda = [(x.cuda(), idx.cuda(), y.cuda()) for x, idx, y in data]
+    comm, a, b = buffer.get_comm_stream(), torch.cuda.Stream(), torch.cuda.Stream()
+    kwargs = dict(num_experts=num_experts, do_cpu_sync=False)
+    results = {}
+    torch.cuda.synchronize()
+
+    def round_trip(i, **extra):
+        x, idx, y = cuda[i]
+        recv_x, _, _, handle, event = buffer.dispatch(x, idx, **kwargs, **extra)
+        event.current_stream_wait()
+        results[i] = (recv_x, buffer.combine(y, handle)[0])
+
+    with torch.cuda.stream(a):
+        round_trip(0)  # the calls after it on this stream may skip the comm stream
+        torch.cuda._sleep(sleep)
+        round_trip(1)
+    with torch.cuda.stream(b):
+        round_trip(2)
+        with torch.cuda.stream(comm):
+            torch.cuda._sleep(sleep)
+        x, idx, y = cuda[3]
+        early = buffer.dispatch(x, idx, **kwargs, async_with_compute_stream=True)
+        round_trip(4)
+        early[4].current_stream_wait()
+        results[3] = (early[0], buffer.combine(y, early[3])[0])
+    torch.cuda.synchronize()
+    if buffer.backend == "symmetric":
+        with torch.cuda.stream(b):
+            torch.cuda.synchronize()
+            with torch.cuda.stream(comm):
+                torch.cuda._sleep(4 * sleep)
+            round_trip(2)
+            b.synchronize()
+            assert rank != 0 or not comm.query(), "a plain call waited for the busy comm stream"
+        torch.cuda.synchronize()
+    for i, (x, idx, y) in enumerate(data):
+        ref = reference_dispatch(x, idx, None, num_experts, 8, group, 1, False)
+        rows = ref.src_token.numel()
+        want, _ = reference_combine(y[:rows], ref, idx, num_experts, group)
+        assert_equal(f"recv_x of call {i}", results[i][0][:rows].cpu(), ref.recv_x)
+        assert_equal(f"combined_x of call {i}", results[i][1].cpu(), want)
+    buffer.destroy()
+    return len(data)
+
+
+@pytest.mark.parametrize("device", DEVICES[1:])
+def test_calls_never_overlap_across_streams(device: str) -> None:
+    assert run_local_ranks(run_stream_order, 2, device, BASE_SEED) == [5, 5]
+
+
 def run_interleaved(target: str, seed: int) -> None:
     """Several handles alive at once through one buffer, combined out of order, with cached
     dispatches in between; every output is checked against the reference."""

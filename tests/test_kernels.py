@@ -59,12 +59,28 @@ def _word(values, dtype):
     return int(torch.tensor(values, dtype=dtype).view(i32)[0])
 
 
-def _send_example(rank: OneRank):
+def _idle_receive(rank: OneRank, layout):
+    """Arguments for the receive part of a launch that runs only the send part."""
+    return dispatch.receive_phase(
+        rank.hist, rank.gaps, layout, full=False, max_tokens=S, num_local=4, alignment=1,
+        capacity=0, out_rows=0, expand=False, zero_padding=False, tail=False, idx_out=None,
+        weights_out=None, metadata=rank.pos, rank_psum=rank.counts, expert_counts=rank.hist,
+        expert_psum=rank.hist, rows_out=[])
+
+
+def _example_send_phase(rank: OneRank, slots):
     x = _t([[1, 2], [3, 4]], bf16)
     layout = dispatch.RecordLayout(K, dispatch.payload_words([x]))
+    send = dispatch.send_phase(rank.counts, rank.pos, _t([[0, 3], [-1, -1]], i64), 4, None, [x],
+                               layout, slots)
+    return x, layout, send
+
+
+def _send_example(rank: OneRank):
     slots = torch.full((2, K), -7, dtype=i32, device=DEV)
-    dispatch.send(SHAPE, rank.dispatch, rank.sync, rank.counts, rank.pos, _t([[0, 3], [-1, -1]], i64),
-                  4, None, [x], layout, slots, rank.error, TIMEOUT)
+    x, layout, send = _example_send_phase(rank, slots)
+    dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error, TIMEOUT, send,
+                 _idle_receive(rank, layout), do_receive=False)
     return x, layout, slots
 
 
@@ -79,17 +95,29 @@ def test_send_example():
     assert int(rank.error) == 0
 
 
-def _receive(rank, layout, *, full=True, expand=False, out_rows=1, tail=False, capacity=2**31 - 1):
-    out = dict(idx_out=torch.full((out_rows, K), -7, dtype=i64, device=DEV),
-               metadata=torch.full((out_rows, K + 2), -7, dtype=i32, device=DEV),
-               rank_psum=torch.full((1,), -7, dtype=i32, device=DEV),
-               expert_counts=torch.full((4,), -7, dtype=i32, device=DEV),
-               expert_psum=torch.full((4,), -7, dtype=i32, device=DEV),
-               rows_out=[torch.full((out_rows, H), -7, dtype=bf16, device=DEV)])
-    dispatch.receive(SHAPE, rank.dispatch, rank.sync, rank.hist, rank.gaps, layout, full=full,
-                     max_tokens=S, num_local=4, alignment=2, capacity=capacity,
-                     out_rows=out_rows, expand=expand, zero_padding=True, tail=tail,
-                     weights_out=None, error=rank.error, timeout=TIMEOUT, **out)
+def _receive_outputs(out_rows: int) -> dict:
+    return dict(idx_out=torch.full((out_rows, K), -7, dtype=i64, device=DEV),
+                metadata=torch.full((out_rows, K + 2), -7, dtype=i32, device=DEV),
+                rank_psum=torch.full((1,), -7, dtype=i32, device=DEV),
+                expert_counts=torch.full((4,), -7, dtype=i32, device=DEV),
+                expert_psum=torch.full((4,), -7, dtype=i32, device=DEV),
+                rows_out=[torch.full((out_rows, H), -7, dtype=bf16, device=DEV)])
+
+
+def _receive_phase(rank, layout, out, *, full=True, expand=False, out_rows=1, tail=False,
+                   capacity=2**31 - 1):
+    return dispatch.receive_phase(rank.hist, rank.gaps, layout, full=full, max_tokens=S,
+                                  num_local=4, alignment=2, capacity=capacity, out_rows=out_rows,
+                                  expand=expand, zero_padding=True, tail=tail, weights_out=None,
+                                  **out)
+
+
+def _receive(rank, layout, *, out_rows=1, **options):
+    """A receive-only launch (the send part ran in an earlier one)."""
+    out = _receive_outputs(out_rows)
+    idle_send = _example_send_phase(rank, torch.empty(2, K, dtype=i32, device=DEV))[2]
+    dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error, TIMEOUT, idle_send,
+                 _receive_phase(rank, layout, out, out_rows=out_rows, **options), do_send=False)
     return out
 
 
@@ -105,6 +133,21 @@ def test_receive_example():
     assert torch.equal(out["rows_out"][0], x[:1])
     assert rank.counters(0) == [1, 1, 1]  # this rank freed its staging block
     assert int(rank.error) == 0
+
+
+def test_send_and_receive_in_one_launch():
+    """`dispatch.run` with both parts (what a sync-free dispatch launches): the outputs of the
+    send and receive examples."""
+    rank = OneRank()
+    slots = torch.full((2, K), -7, dtype=i32, device=DEV)
+    x, layout, send = _example_send_phase(rank, slots)
+    out = _receive_outputs(1)
+    dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error, TIMEOUT, send,
+                 _receive_phase(rank, layout, out))
+    assert slots.tolist() == [[0, 0], [-1, -1]]
+    assert out["idx_out"].tolist() == [[0, 3]] and out["metadata"].tolist() == [[0, 1, 0, 2]]
+    assert torch.equal(out["rows_out"][0], x[:1])
+    assert rank.counters(0) == [1, 1, 1] and int(rank.error) == 0
 
 
 def test_receive_counting_pass_touches_no_output_or_counter():
@@ -130,40 +173,28 @@ def test_receive_times_out_instead_of_hanging():
     rank = OneRank()
     rank.sync[0] = 1  # one send call counted, but its ready counter never arrives
     layout = dispatch.RecordLayout(K, (1,))
-    dispatch.receive(SHAPE, rank.dispatch, rank.sync, rank.hist, rank.gaps, layout, full=False,
-                     max_tokens=S, num_local=4, alignment=1, capacity=0, out_rows=0,
-                     expand=False, zero_padding=False, tail=False, idx_out=None,
-                     weights_out=None, metadata=rank.pos, rank_psum=rank.counts,
-                     expert_counts=rank.hist, expert_psum=rank.hist, rows_out=[],
-                     error=rank.error, timeout=timeout_units(0.01, INTERPRET))
+    idle_send = _example_send_phase(rank, torch.empty(2, K, dtype=i32, device=DEV))[2]
+    dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error,
+                 timeout_units(0.01, INTERPRET), idle_send, _idle_receive(rank, layout),
+                 do_send=False)
     assert int(rank.error) == errors.DISPATCH_TIMEOUT
     assert rank.counts[0].item() == 0  # the late source counts as empty
 
 
-def _combine_example(rank: OneRank, x, weights):
-    layout = combine.CombineLayout(H, K)
-    combine.send(SHAPE, rank.combine, layout, rank.sync, _t([1], i32),
-                 _t([[0, 1, 0, 2]], i32), x, weights, False, rank.error, TIMEOUT)
-    return layout
-
-
-def test_combine_send_example():
+def test_combine_example():
+    """`combine.combine`'s docstring example on one rank: the returned record, then the sums."""
     rank = OneRank()
-    layout = _combine_example(rank, _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32))
+    layout = combine.CombineLayout(H, K)
+    out = torch.full((2, H), -7, dtype=bf16, device=DEV)
+    weights = torch.full((2, K), -7, dtype=torch.float32, device=DEV)
+    combine.combine(SHAPE, rank.combine, layout, rank.sync, _t([1], i32), _t([[0, 1, 0, 2]], i32),
+                    _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32), False,
+                    _t([[0, 0], [-1, -1]], i32), (_t([[1, 1], [2, 2]], bf16),), out, weights,
+                    rank.error, TIMEOUT)
     assert layout.words == 8 and layout.weight_offset == 4  # 16-byte aligned fields
     record = rank.record(REGION + 4 * 48, 0, 8)
     assert record[0] == _word([5, 6], bf16)
     assert record[4:6] == [_word([0.5], torch.float32), _word([0.25], torch.float32)]
-    assert rank.counters(24) == [1, 0, 0]
-
-
-def test_reduce_example():
-    rank = OneRank()
-    layout = _combine_example(rank, _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32))
-    out = torch.full((2, H), -7, dtype=bf16, device=DEV)
-    weights = torch.full((2, K), -7, dtype=torch.float32, device=DEV)
-    combine.reduce(SHAPE, rank.combine, layout, rank.sync, _t([[0, 0], [-1, -1]], i32),
-                   (_t([[1, 1], [2, 2]], bf16),), out, weights, rank.error, TIMEOUT)
     assert out.tolist() == [[6, 7], [2, 2]]
     assert weights.tolist() == [[0.5, 0.25], [0, 0]]
     assert rank.counters(24) == [1, 1, 0] and int(rank.error) == 0
@@ -184,12 +215,10 @@ def test_reduce_rounds_like_torch():
     bias = torch.randn(tokens, hidden, generator=gen).bfloat16().to(DEV)
     meta = torch.stack([torch.arange(tokens), torch.zeros(tokens, dtype=i64),
                         torch.arange(tokens)], 1).to(i32).to(DEV)
-    combine.send(shape, stage, layout, rank.sync, _t([tokens], i32), meta, x, None, False,
-                 rank.error, TIMEOUT)
     out = torch.empty(tokens, hidden, dtype=bf16, device=DEV)
-    combine.reduce(shape, stage, layout, rank.sync, torch.arange(tokens, dtype=i32,
-                                                                  device=DEV).view(-1, 1),
-                   (bias,), out, None, rank.error, TIMEOUT)
+    slots = torch.arange(tokens, dtype=i32, device=DEV).view(-1, 1)
+    combine.combine(shape, stage, layout, rank.sync, _t([tokens], i32), meta, x, None, False,
+                    slots, (bias,), out, None, rank.error, TIMEOUT)
     assert torch.equal(out, (bias.float() + x.float()).bfloat16())
 
 
@@ -201,7 +230,7 @@ def test_launcher_reuses_the_compiled_variant():
     out = _receive(rank, layout)
     assert out["metadata"].tolist() == [[0, 1, 0, 2]]
     cached = [kept for kept in SHAPE.launchers.values()
-              if kept.fn is dispatch.dispatch_receive_kernel and kept.compiled]
+              if kept.fn is dispatch.dispatch_kernel and kept.compiled]
     assert bool(cached) == (not INTERPRET)  # the interpreter has nothing to keep
     generic = {id(kept): kept.generic_launches for kept in SHAPE.launchers.values()}
     for call in range(2):  # a second round trip reuses both kernels
@@ -214,7 +243,7 @@ def test_launcher_reuses_the_compiled_variant():
                    for kept in SHAPE.launchers.values()), \
             [(kept.fn, kept.fallback) for kept in SHAPE.launchers.values()]
     assert rank.counters(0) == [3, 3, 1] and int(rank.error) == 0
-    assert Launcher(dispatch.dispatch_send_kernel, 1, {}).fast == (not INTERPRET)
+    assert Launcher(dispatch.dispatch_kernel, 1, {}).fast == (not INTERPRET)
 
 
 def test_launch_hooks_passed_only_when_set():

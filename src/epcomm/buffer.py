@@ -88,6 +88,11 @@ class Buffer:
         self._pending: list[tuple[torch.cuda.Event, list[torch.Tensor]]] = []
         self._streams: dict[int, "torch.cuda.Stream"] = {}  # raw handle -> Stream
         self._entry_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        # The stream after whose queued work every device call of this buffer so far comes
+        # (None: not one stream; the next call goes through the comm stream), and the event of
+        # the last call if it ran there instead of on the comm stream: see `_launch`.
+        self._ordered_on: Optional["torch.cuda.Stream"] = None
+        self._direct_event: Optional[torch.cuda.Event] = None
         self.num_sms = num_sms
         self._impl = make_backend(backend, self)
         self.num_sms = getattr(self._impl, "num_sms", num_sms)
@@ -254,29 +259,50 @@ class Buffer:
     def _launch(self, work, inputs: Sequence[Optional[torch.Tensor]],
                 previous_event: Optional[EventOverlap], async_with_compute_stream: bool,
                 allocate_on_comm_stream: bool, host_reads: bool):
-        """Run `work(alloc, stream)` for the comm stream with the contract's stream rules.
+        """Run `work(alloc, stream)` with the contract's stream rules; `work` queues its device
+        work on `stream`.
 
-        `work` queues its device work on `stream`. When the backend does that explicitly
-        (`explicit_streams`), the call reads nothing back (`host_reads` False) and needs no
-        copies, the comm stream is never made current (switching costs host time); otherwise
-        it is current while `work` runs."""
+        A call the current stream waits for anyway (no `async_with_compute_stream`, no
+        `previous_event`, outputs from the current stream's pool) of a backend that queues its
+        work on a named stream (`explicit_streams`), reading nothing back (`host_reads` False)
+        and needing no copies, runs on the current stream itself when this buffer's earlier
+        calls are all queued there too (`_ordered_on`): the same order as through the comm
+        stream, without the two event hand-offs or any `record_stream` (every tensor is used in
+        the current stream's order). Otherwise the comm stream runs it; it is made current
+        only when `work` needs that (switching costs host time)."""
         self._check_alive()
         if self.device.type != "cuda":
             return work(OutputAllocator(self.device), None), EventOverlap()
         self._drain_pending()
         compute = self._current_stream()
+        used = [t for t in inputs if t is not None]
+        # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
+        same_device = torch._C._cuda_getDevice() == self.device.index
+        direct = same_device and not host_reads and self._impl.explicit_streams
+        for tensor in used:
+            direct = direct and tensor.is_contiguous()
+        if (direct and compute is self._ordered_on and not async_with_compute_stream
+                and not allocate_on_comm_stream
+                and (previous_event is None or previous_event.event is None)):
+            alloc = OutputAllocator(self.device, compute, compute)
+            result = work(alloc, compute)
+            event = self._direct_event = torch.cuda.Event()
+            event.record(compute)
+            return result, EventOverlap(event)
         comm = self.get_comm_stream()
+        if self._direct_event is not None:
+            # Calls through one buffer never overlap: this one waits for the direct ones,
+            # whichever stream is current now. (An event recorded outside a graph capture
+            # cannot be waited on inside it; a graph's replays are ordered by their caller.)
+            if not torch.cuda.is_current_stream_capturing():
+                comm.wait_event(self._direct_event)
+            self._direct_event = None
         if previous_event is not None and previous_event.event is not None:
             comm.wait_event(previous_event.event)
         else:
             self._entry_event.record(compute)  # what `comm.wait_stream(compute)` does, one
             comm.wait_event(self._entry_event)  # Event object fewer
-        used = [t for t in inputs if t is not None]
-        # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
-        same_device = torch._C._cuda_getDevice() == self.device.index
-        switch = host_reads or not self._impl.explicit_streams or not same_device
-        for tensor in used:
-            switch = switch or not tensor.is_contiguous()
+        switch = not direct
         alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute,
                                 comm if switch else compute)
         if switch:
@@ -317,6 +343,8 @@ class Buffer:
                     tensor.record_stream(compute if allocate_on_comm_stream else comm)
         if not async_with_compute_stream:
             compute.wait_event(event)
+        # Async: the comm stream's work joins no stream here, so the next call starts there.
+        self._ordered_on = None if async_with_compute_stream else compute
         return result, EventOverlap(event, extra_tensors=held)
 
     # -- dispatch and combine --------------------------------------------------------------

@@ -10,11 +10,13 @@ S = the buffer's `num_max_tokens_per_rank`. Block s of a staging region is writt
 s, so no two ranks ever write the same bytes. Counters only grow (each of the P programs of a
 kernel adds 1 per call), so nothing is ever reset and CUDA graphs can replay calls.
 
-One call is two launches per stage (the kernels' docstrings have the steps):
-- dispatch: `send` (route, wait for the peers to free the previous call's records, push, raise
-  ready) and `receive` (wait for ready, copy out into the layout, free); a synchronizing dispatch
-  runs `receive` once more first, counting only, to size its outputs on the host.
-- combine: `send` (return rows, reduced per token in the expand layout) and `reduce`.
+One call is one launch (the kernels' docstrings have the steps), two for a synchronizing dispatch:
+- dispatch: `dispatch_kernel`, its send part (route, wait for the peers to free the previous
+  call's records, push, raise ready) then its receive part (wait for ready, copy out into the
+  layout, free); a synchronizing dispatch stops the first launch after counting, sizes its
+  outputs on the host and runs the receive part in a second launch.
+- combine: one launch, `combine_kernel` (return rows, reduced per token in the expand layout,
+  then reduce what came back).
 A wait that runs past the buffer's timeout sets the stage's timeout bit of `errors` in the device
 error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the rank and stage,
 a sync-free one leaves it for `Buffer.check_errors()`. After a timeout the ranks' counters
@@ -46,6 +48,10 @@ FP8_BLOCK = 128
 _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, counting pass)
 # Tiles of the GPU kernels: 16 rows x 512 words (32 KB of loads in flight per program; 7168
 # bf16 is exactly 7 steps), 16 rows x 1024 bf16 in combine (16 warps for the fp32 sums).
+# Measured (scripts/gpu_tune.py, H200, EP=1 4096 x 7168, session 4): compact combine 77.1 us at
+# 16 x 1024 x 16 warps, 89.8 at 16 x 512, 92.4 at 8 x 1024; dispatch 101 us at 16 x 512 x 8,
+# 112 at 8 x 512. 118 registers for combine at 16 x 1024 (scripts/compile_sm90.py), under the
+# 128 that 16 warps allow.
 _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=1024,
                  combine_warps=16)
 _CPU_TILE = dict(rows=4, block_w=64, num_warps=1, combine_rows=4, block_h=64, combine_warps=1)
@@ -210,19 +216,23 @@ class SymmetricBackend(Backend):
         layout = RecordLayout(K, payload_words(rows))
         info = [torch.zeros(max(R, 64), dtype=i32, device=dev) for _ in range(3)]
         meta = torch.empty(0, K + 2, dtype=i32, device=dev)
+        # Variants (topk_idx dtype, idx_out dtype): the counting pass and the expand layout
+        # pass int32 metadata as idx_out, the compact layout topk_idx's dtype.
         for idx_dtype in (torch.int32, torch.int64):
             idx = torch.empty(0, K, dtype=idx_dtype, device=dev)
             slots = torch.empty(0, K, dtype=i32, device=dev)
-            dispatch_kernels.send(self.shape, dispatch, sync, self._counts_scratch,
-                                  self._pos_scratch, idx, 1, None, rows, layout, slots, error,
-                                  self.timeout)
-            for full in (False, True):
-                dispatch_kernels.receive(
-                    self.shape, dispatch, sync, self._hist(1), self._gap_scratch, layout,
-                    full=full, max_tokens=1, num_local=1, alignment=1, capacity=0, out_rows=0,
-                    expand=False, zero_padding=False, tail=False, idx_out=idx,
-                    weights_out=None, metadata=meta, rank_psum=info[0], expert_counts=info[1],
-                    expert_psum=info[2], rows_out=rows, error=error, timeout=self.timeout)
+            send = dispatch_kernels.send_phase(self._counts_scratch, self._pos_scratch, idx, 1,
+                                               None, rows, layout, slots)
+            for full, do_send in ((False, True), (True, False), (True, True)):
+                dispatch_kernels.run(
+                    self.shape, dispatch, layout, sync, error, self.timeout, send,
+                    dispatch_kernels.receive_phase(
+                        self._hist(1), self._gap_scratch, layout, full=full, max_tokens=1,
+                        num_local=1, alignment=1, capacity=0, out_rows=0, expand=False,
+                        zero_padding=False, tail=False, idx_out=idx if full else None,
+                        weights_out=None, metadata=meta, rank_psum=info[0],
+                        expert_counts=info[1], expert_psum=info[2], rows_out=rows),
+                    do_send=do_send)
             self._combine(combine, sync, info[0], meta, rows[0], None, False, slots, (),
                           rows[0], None, error)
         torch.cuda.synchronize(dev)
@@ -277,27 +287,30 @@ class SymmetricBackend(Backend):
         rank_psum, expert_counts, expert_psum = parts[:3]
         slots = parts[3].view(num_tokens, K)
         idx_copy = alloc.empty(topk_idx.shape, topk_idx.dtype) if request.copy_topk_idx else None
-        dispatch_kernels.send(self.shape, self.dispatch_stage, self._sync, self._counts_scratch,
-                              self._pos_scratch, topk_idx, E, request.topk_weights, request.rows,
-                              layout, slots, self._flags, self.timeout, idx_copy, stream=stream)
-
+        send = dispatch_kernels.send_phase(self._counts_scratch, self._pos_scratch, topk_idx, E,
+                                           request.topk_weights, request.rows, layout, slots,
+                                           idx_copy)
         hist = self._hist(num_local, stream)
         receive = dict(max_tokens=M, num_local=num_local, alignment=align, expand=expand,
-                       rank_psum=rank_psum, expert_counts=expert_counts, expert_psum=expert_psum,
-                       error=self._flags, timeout=self.timeout, stream=stream)
+                       rank_psum=rank_psum, expert_counts=expert_counts, expert_psum=expert_psum)
+        run = dict(shape=self.shape, stage=self.dispatch_stage, layout=layout, sync=self._sync,
+                   error=self._flags, timeout=self.timeout, send=send, stream=stream)
         counts_list = None
         if num_rows is None:
-            dispatch_kernels.receive(
-                self.shape, self.dispatch_stage, self._sync, hist, self._gap_scratch, layout,
-                full=False, capacity=0, out_rows=_NO_CAPACITY, zero_padding=False, tail=False,
-                idx_out=None, weights_out=None, metadata=slots, rows_out=[], **receive)
+            # Send and count in one launch, size the outputs on the host, then receive.
+            dispatch_kernels.run(**run, receive=dispatch_kernels.receive_phase(
+                hist, self._gap_scratch, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
+                zero_padding=False, tail=False, idx_out=None, weights_out=None, metadata=slots,
+                rows_out=[], **receive))
             num_rows = rank_psum[-1].item()  # the host sync the caller asked for
             self._raise_on_timeout("dispatch")
             counts_list = [align_up(c, align) for c in expert_counts.tolist()]
             num_expanded = sum(counts_list) if expand else 0
             metadata = alloc.empty((num_rows, K + 2), i32)
+            sent = True
         else:
             metadata = parts[4].view(num_rows, K + 2)
+            sent = False
         capacity = num_expanded if expand else _NO_CAPACITY
         out_rows = num_expanded if expand else num_rows
         recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in request.rows]
@@ -305,11 +318,10 @@ class SymmetricBackend(Backend):
         if request.topk_weights is not None:
             recv_weights = alloc.empty((out_rows,) if expand else (out_rows, K), torch.float32)
         local_idx = None if expand else alloc.empty((num_rows, K), topk_idx.dtype)
-        dispatch_kernels.receive(
-            self.shape, self.dispatch_stage, self._sync, hist, self._gap_scratch, layout,
-            full=True, capacity=capacity, out_rows=num_rows,
+        dispatch_kernels.run(**run, do_send=not sent, receive=dispatch_kernels.receive_phase(
+            hist, self._gap_scratch, layout, full=True, capacity=capacity, out_rows=num_rows,
             zero_padding=request.do_zero_padding, tail=not sync, idx_out=local_idx,
-            weights_out=recv_weights, metadata=metadata, rows_out=recv_rows, **receive)
+            weights_out=recv_weights, metadata=metadata, rows_out=recv_rows, **receive))
 
         if cached is not None:
             return DispatchResult(recv_rows, local_idx, recv_weights, cached)
@@ -334,11 +346,9 @@ class SymmetricBackend(Backend):
     # -- combine ---------------------------------------------------------------------------
     def _combine(self, stage: Stage, sync, rank_psum, metadata, x, weights, expand: bool,
                  slots, biases, out, weights_out, error, stream=None) -> None:
-        shape, layout = self.combine_shape, self.combine_layout
-        combine_kernels.send(shape, stage, layout, sync, rank_psum, metadata, x, weights, expand,
-                             error, self.timeout, stream=stream)
-        combine_kernels.reduce(shape, stage, layout, sync, slots, biases, out, weights_out,
-                               error, self.timeout, stream=stream)
+        combine_kernels.combine(self.combine_shape, stage, self.combine_layout, sync, rank_psum,
+                                metadata, x, weights, expand, slots, biases, out, weights_out,
+                                error, self.timeout, stream=stream)
 
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         handle = request.handle

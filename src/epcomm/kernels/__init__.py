@@ -2,11 +2,11 @@
 
 - `sync`: monotone int64 counters (add with release, await with acquire and a bounded spin
   that sets a timeout bit), grid barriers, the named error bits.
-- `dispatch`: `dispatch_send_kernel` (routing, per-destination positions, records pushed into
-  the peers' staging regions) and `dispatch_receive_kernel` (the records copied out into the
-  compact or expand layout).
-- `combine`: `combine_send_kernel` (expert outputs back to their sources, reduced per token in
-  the expand layout) and `reduce_kernel` (bias + per-rank rows in the order of
+- `dispatch`: `dispatch_kernel`, a send part (routing, per-destination positions, records pushed
+  into the peers' staging regions) and a receive part (the records copied out into the compact
+  or expand layout).
+- `combine`: `combine_kernel`, a send part (expert outputs back to their sources, reduced per
+  token in the expand layout) and a reduce part (bias + per-rank rows in the order of
   docs/semantics.md).
 - `common`: vector-access, copy and prefix-sum helpers; `launcher`: how the host launches them.
 

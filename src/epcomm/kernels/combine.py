@@ -1,19 +1,19 @@
-"""Combine in two fused kernels: `send` on every rank that received rows, then `reduce` on every
-source rank.
+"""Combine in one kernel per rank (`combine_kernel`): its send part returns the rows this rank
+received, its reduce part sums what came back to this rank.
 
 Heap memory: the combine counters `[ready R | free R | count R]` (the count slots are unused:
 each source already knows which records it expects) and the combine staging region `[R, S]`,
 block d written only by rank d: record `d * S + p` holds what rank d returns for the p-th token
 this rank sent it, the bf16 row (H values) then, at word `weight_offset`, K fp32 weights.
 
-`send` (P programs, compact rows split into P chunks):
+Send part (P programs, compact rows split into P chunks):
 1. wait until every source has reduced what this rank returned the call before (free);
 2. for compact row n, received from rank s as its p-th token: record `rank * S + p` of s's
    region gets the row `x[n]` (compact) or the fp32 sum, rounded once to bf16, of the rows
    `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights;
 3. add 1 to every source's ready counter (release).
 
-`reduce` (P programs, tokens split into P chunks): wait for every ready counter, then
+Reduce part (the same P programs, tokens split into P chunks): wait for every ready counter, then
 `combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot of each rank, in slot
 order)` in fp32 (docs/semantics.md), the weights of each slot from its rank's record; add 1 to
 every peer's free counter.
@@ -57,14 +57,13 @@ def half_ptrs(addr, VEC: tl.constexpr):
     return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), 2 * VEC)
 
 
-@triton.jit(do_not_specialize=[
-    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
-    "weight_offset", "expand", "has_w", "hidden", "timeout"])
-def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
-                weights_ptr, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
-                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+@triton.jit
+def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                 record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
+                 weights_ptr, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+    """Steps 1-3 of the send part (module docstring); returns the call number."""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -94,19 +93,23 @@ def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset,
         if expand != 0:
             # The row's expert rows summed in slot order in fp32, one bf16 rounding. A slot
             # without a row reads +0.0, which never changes an accumulator that started at
-            # +0.0 (so the order of docs/semantics.md is kept bit for bit); unrolled over K so
-            # that all K loads are in flight together.
+            # +0.0 (so the order of docs/semantics.md is kept bit for bit); unrolled by two:
+            # two loads in flight, and at the 16 x 1024 tile this kernel stays within the 128
+            # registers 16 warps allow (all K unrolled: 64 bytes of spills, Triton 3.9).
             targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1)
             for start in range(0, hidden, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
                 wmask = columns(offs, hidden, VEC)
                 acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
-                for j in tl.static_range(K):
-                    src = tl.load(meta + j, mask=nmask, other=-1).to(tl.int64)
-                    row = x_ptr + tl.multiple_of(tl.maximum(src, 0) * hidden, VEC)
-                    value = tl.load(row[:, None] + offs[None, :],
-                                    mask=(src >= 0)[:, None] & wmask[None, :], other=0)
-                    acc += bf16_to_f32(value)
+                for j0 in range(0, K, 2):
+                    for jj in tl.static_range(2):
+                        j = j0 + jj
+                        valid = nmask & (tl.full([ROWS], j, tl.int32) < K)  # (K may be odd)
+                        src = tl.load(meta + j, mask=valid, other=-1).to(tl.int64)
+                        row = x_ptr + tl.multiple_of(tl.maximum(src, 0) * hidden, VEC)
+                        value = tl.load(row[:, None] + offs[None, :],
+                                        mask=(src >= 0)[:, None] & wmask[None, :], other=0)
+                        acc += bf16_to_f32(value)
                 dst = half_ptrs(rec, VEC)
                 tl.store(dst[:, None] + offs[None, :], f32_to_bf16(acc),
                          mask=nmask[:, None] & wmask[None, :])
@@ -120,24 +123,24 @@ def combine_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset,
         tl.store(i32_ptr(rec)[:, None] + weight_offset + kk[None, :], weights,
                  mask=flag_mask(hmask, has_w))
     add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
+    return call
 
 
-@triton.jit(do_not_specialize=[
-    "rank", "num_ranks", "flags_offset", "region_offset", "record_words", "weight_offset",
-    "num_tokens", "num_biases", "has_w", "hidden", "timeout"])
-def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
-                  weight_offset, sync_ptr, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
-                  num_biases, out_ptr, w_out, has_w, hidden, error_ptr, timeout,
-                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                  ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr,
-                  USE_TIMER: tl.constexpr):
+@triton.jit
+def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
+                 weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
+                 out_ptr, w_out, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+    """The reduce part (module docstring) of call number `call`: the one this program's send
+    part computed. (Reading the call counter here instead would race with programs of this
+    launch that have not added to it yet.)"""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     hidden = tl.multiple_of(hidden, VEC)
-    call = tl.load(sync_ptr + SYNC_COMBINE) // num_programs
     await_counters(own_counters(bases_ptr, rank, flags_offset, rr), rmask, call * num_programs,
                    error_ptr, COMBINE_TIMEOUT, timeout, USE_TIMER)
 
@@ -183,50 +186,58 @@ def reduce_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, recor
     add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask), rmask)
 
 
-def _args(stage: Stage, layout: CombineLayout, sync) -> tuple:
-    return (*stage.args, layout.words, layout.weight_offset, sync)
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
+    "weight_offset", "expand", "has_w", "num_tokens", "num_biases", "has_w_out", "hidden",
+    "timeout"])
+def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                   record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
+                   weights_ptr, has_w, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
+                   out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, K: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                   VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+    call = _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                        record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr,
+                        expand, weights_ptr, has_w, hidden, error_ptr, timeout, K, BLOCK_K,
+                        BLOCK_R, ROWS, VEC, BLOCK_H, USE_TIMER)
+    _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
+                 weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
+                 out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, K, BLOCK_K, BLOCK_R,
+                 ROWS, VEC, BLOCK_H, USE_TIMER)
 
 
-def send(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata, x,
-         weights: Optional[torch.Tensor], expand: bool, error, timeout: int,
-         stream=None) -> None:
-    """The receiver side of a combine: return every received compact row to its source.
 
-    rank_psum [R] int32 and metadata [rows, K + 2] int32: the dispatch handle's; x: bf16
-    [rows, H] (compact) or [expand rows, H]; weights: fp32 [rows, K] (compact), [expand rows]
-    (expand) or None.
 
-    Example (one rank, H 2, K 2, compact): rank_psum = [1], x = bf16 [[5, 6]],
-    weights = [[0.5, 0.25]]: record 0 of the combine region = [5 6 | 0.5 0.25], the ready
-    counter += P.
+def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata,
+            x, weights: Optional[torch.Tensor], expand: bool, slots,
+            biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
+            timeout: int, stream=None) -> None:
+    """A whole combine on this rank, one launch: return every received row to its source, then,
+    once every peer's rows have arrived, `out[t] = bf16(0.0 + bias0[t] + bias1[t] +
+    record(slots[t, j]) for the slots j >= 0 whose record no later slot repeats)`, summed in
+    fp32 in that order, and `weights_out[t, j]` = weight j of record `slots[t, j]` (0 where
+    `slots[t, j] < 0`).
+
+    Returned side: rank_psum [R] int32 and metadata [rows, K + 2] int32, the dispatch
+    handle's; x: bf16 [rows, H] (compact) or [expand rows, H]; weights: fp32 [rows, K]
+    (compact), [expand rows] (expand) or None. Reduced side: slots [T, K] int32, the dispatch
+    send's slot_out (record `d * S + p`: rank d returned it for the token this rank sent it as
+    its p-th); biases: zero, one or two bf16 [T, H]; out: bf16 [T, H]; weights_out: fp32 [T, K]
+    or None.
+
+    Example (one rank, H 2, K 2, compact): rank_psum = [1], metadata = [[0, 1, 0, 2]],
+    x = bf16 [[5, 6]], weights = [[0.5, 0.25]], slots = [[0, 0], [-1, -1]],
+    biases = ([[1, 1], [2, 2]],): record 0 of the combine region = [5 6 | 0.5 0.25],
+    out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]]; the ready and free counters
+    += P.
     """
     has_w = weights is not None
-    shape.launch(
-        combine_send_kernel, () if aligned(x, weights) else None, stream, *_args(stage, layout, sync),
-        rank_psum, metadata, x.view(torch.int16), int(expand),
-        weights.view(torch.int32) if has_w else metadata, int(has_w), x.shape[1], error,
-        timeout, width="BLOCK_H")
-
-
-def reduce(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, slots,
-           biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
-           timeout: int, stream=None) -> None:
-    """The source side of a combine, once every peer's rows have arrived:
-    `out[t] = bf16(0.0 + bias0[t] + bias1[t] + record(slots[t, j]) for the slots j >= 0 whose
-    record no later slot repeats)`, summed in fp32 in that order; `weights_out[t, j]` = weight j
-    of record `slots[t, j]`, 0 where `slots[t, j] < 0`.
-
-    slots: [T, K] int32, the dispatch send's slot_out (record `d * S + p`: rank d returned it
-    for the token this rank sent it as its p-th); biases: zero, one or two bf16 [T, H].
-
-    Example (after the `send` example): slots = [[0, 0], [-1, -1]], biases = ([[1, 1], [2, 2]],):
-        out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]].
-    """
     out16 = out.view(torch.int16)
     bias16 = [bias.view(torch.int16) for bias in biases] or [out16]  # (absent: never read)
-    args = _args(stage, layout, sync)
     shape.launch(
-        reduce_kernel, () if aligned(*biases) else None, stream, *args[:5], *args[6:],
+        combine_kernel, () if aligned(x, weights, *biases) else None, stream, *stage.args,
+        layout.words, layout.weight_offset, sync, rank_psum, metadata, x.view(torch.int16),
+        int(expand), weights.view(torch.int32) if has_w else metadata, int(has_w),
         slots.shape[0], slots, bias16[0], bias16[-1], len(biases), out16,
         slots if weights_out is None else weights_out.view(torch.int32),
-        int(weights_out is not None), out.shape[1], error, timeout, width="BLOCK_H")
+        int(weights_out is not None), x.shape[1], error, timeout, width="BLOCK_H")

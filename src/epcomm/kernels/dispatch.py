@@ -1,4 +1,6 @@
-"""Dispatch in two fused kernels: `send` on every source rank, then `receive` on every destination.
+"""Dispatch in one kernel (`dispatch_kernel`): its send part on every source rank, then its
+receive part on every destination (a synchronizing dispatch runs the receive part again, in a
+second launch, after the host has sized the outputs).
 
 Heap memory they use (byte offsets passed in; see `epcomm.backends.symmetric`):
 - the dispatch counters `[ready R | free R | count R]` (int64, `kernels.sync`): ready[s] and
@@ -8,7 +10,7 @@ Heap memory they use (byte offsets passed in; see `epcomm.backends.symmetric`):
   int32 words (`RecordLayout`): source token index, K global expert ids (-1 for no slot), K
   weights (fp32 bits), then the payload rows (bf16 x, or FP8 rows and their scales) as raw words.
 
-`send` (P programs, the tokens split into P contiguous chunks):
+Send part (P programs, the tokens split into P contiguous chunks):
 1. count the chunk's tokens per destination (a token goes once to every rank that one of its
    valid slots maps to); ids outside [-1, E) set `errors.INVALID_EXPERT_ID`;
 2. grid barrier, then each chunk's first position per rank is the sum of the earlier chunks'
@@ -18,7 +20,7 @@ Heap memory they use (byte offsets passed in; see `epcomm.backends.symmetric`):
 5. program 0 stores the counts into the destinations' count slots; every program adds 1 to each
    destination's ready counter (release), so a receiver waits for `call * P`.
 
-`receive` (P programs, the received rows split into P chunks):
+Receive part (the same P programs, the received rows split into P chunks):
 1. wait until every source's ready counter reaches `call * P`, read the counts;
 2. per compact row (source-major, then position): local ids, weights, source metadata and, in the
    compact layout, the payload; a per-program histogram of local expert ids;
@@ -28,8 +30,9 @@ Heap memory they use (byte offsets passed in; see `epcomm.backends.symmetric`):
    to those rows; sync-free tails and alignment gaps get -1 / 0 (payload 0 with zero padding);
 5. every program adds 1 to each source's free counter (release: its reads are done).
 
-`full=0` stops `receive` after the per-expert counts (the sync mode sizes its outputs from them
-on the host, then runs `receive` again with `full=1`); that pass touches no counter of a peer.
+`full=0` stops the receive part after the per-expert counts (the sync mode sizes its outputs from
+them on the host, then runs the receive part again with `full=1`); that pass touches no counter
+of a peer.
 """
 from __future__ import annotations
 
@@ -133,10 +136,8 @@ def _push_field(src, num_words, field_offset, bases_ptr, region_offset, first_sl
                      mask=(tmask & (pos >= 0))[:, None] & wmask[None, :])
 
 
-@triton.jit(do_not_specialize=[
-    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
-    "num_tokens", "num_experts", "copy_idx", "has_w", "w0", "off0", "w1", "off1", "timeout"])
-def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+@triton.jit
+def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                 record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr, num_tokens,
                 num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
                 w1, off1, slot_out, error_ptr, timeout, K: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -223,6 +224,7 @@ def dispatch_send_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset
         tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
                  sent_total.to(tl.int64), mask=rmask)
     add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
+    return call
 
 
 @triton.jit
@@ -299,12 +301,9 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
         _zero_rows(p1_out, begin, end, w1, VEC, ROWS, BLOCK_W)
 
 
-@triton.jit(do_not_specialize=[
-    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
-    "barrier_slot", "max_tokens", "num_local", "alignment", "capacity", "out_rows", "full",
-    "expand", "zero_padding", "tail", "has_w", "w0", "off0", "w1", "off1", "timeout"])
-def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                   record_words, sync_ptr, barrier_slot, hist_ptr, gap_ptr, max_tokens,
+@triton.jit
+def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                   record_words, sync_ptr, call, barrier_slot, hist_ptr, gap_ptr, max_tokens,
                    num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                    idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
                    expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
@@ -321,7 +320,6 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
     ee = tl.arange(0, BLOCK_E)
 
     # 1. Every source's records of this call have arrived; their counts.
-    call = tl.load(sync_ptr + 0) // num_programs  # the send barrier: P per call
     ready = own_counters(bases_ptr, rank, flags_offset, rr)
     # Late sources count as empty.
     await_counters(ready, rmask, call * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout,
@@ -480,18 +478,63 @@ def dispatch_receive_kernel(bases_ptr, rank, num_ranks, flags_offset, region_off
                      rmask)
 
 
-def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, topk_idx,
-         num_experts: int, weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor],
-         layout: RecordLayout, slot_out, error, timeout: int,
-         idx_copy: Optional[torch.Tensor] = None, stream=None) -> None:
-    """The source side of a dispatch (one launch of `shape.programs` programs).
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
+    "timeout", "do_send", "do_receive", "num_tokens", "num_experts", "copy_idx", "has_w", "w0",
+    "off0", "w1", "off1", "barrier_slot", "max_tokens", "num_local", "alignment", "capacity",
+    "out_rows", "full", "expand", "zero_padding", "tail", "has_w_out", "v0", "o0", "v1", "o1"])
+def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                    record_words, sync_ptr, error_ptr, timeout, do_send, do_receive,
+                    counts_scratch, pos_scratch, idx_ptr, num_tokens, num_experts, idx_copy,
+                    copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out,
+                    barrier_slot, hist_ptr, gap_ptr, max_tokens, num_local, alignment, capacity,
+                    out_rows, full, expand, zero_padding, tail, idx_out, w_out, has_w_out,
+                    meta_out, rank_psum_out, expert_count_out, expert_psum_out, q0_out, v0, o0,
+                    q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                    ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
+                    USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
+    """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
+    if do_send != 0:
+        _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                          record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr,
+                          num_tokens, num_experts, idx_copy, copy_idx, weights_ptr, has_w,
+                          p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, K,
+                          BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
+    # The send barrier's counter (slot SYNC_SEND) is P per call once every program has passed
+    # it: here in this launch's send part, or in an earlier launch of this stream. (Taking the
+    # number the send part returns instead, merged from two branches, cost the copies their
+    # 16-byte accesses in Triton 3.9: scripts/compile_sm90.py.)
+    call = tl.load(sync_ptr + 0, volatile=True) // tl.num_programs(0)
+    if do_receive != 0:
+        _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                      record_words, sync_ptr, call, barrier_slot, hist_ptr, gap_ptr, max_tokens,
+                      num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
+                      idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
+                      expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout, K,
+                      BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One part's arguments of `dispatch_kernel`, and the argument dtypes its compiled variant
+    depends on (None if some pointer is not 16-byte aligned: the generic launch path)."""
+
+    args: tuple
+    variant: Optional[tuple]
+
+
+def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
+               weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor],
+               layout: RecordLayout, slot_out,
+               idx_copy: Optional[torch.Tensor] = None) -> Phase:
+    """The source side of a dispatch.
 
     topk_idx: [T, K] int32/int64 global expert ids; weights: [T, K] fp32 or None; rows: the
     payload tensors [T, *]; slot_out: [T, K] int32, receives `d * S + p` for a slot whose rank d
     gets the token as its p-th, -1 for an invalid slot; idx_copy (like topk_idx, or None)
-    receives a copy of topk_idx. counts_scratch: int32
-    [P * next_pow2(R)], pos_scratch: int32 [>= T * R]; sync: the int64 sync tensor; error: the
-    int32 error flag; timeout: `sync.timeout_units`.
+    receives a copy of topk_idx. counts_scratch: int32 [P * next_pow2(R)], pos_scratch: int32
+    [>= T * R].
 
     Example (one rank, E 4, S 4, K 2, x = bf16 [[1, 2], [3, 4]] (one word per row; records of
     12 words: header 5, payload at word 8), topk_idx = [[0, 3], [-1, -1]], no weights): record
@@ -500,24 +543,21 @@ def send(shape: KernelShape, stage: Stage, sync, counts_scratch, pos_scratch, to
     """
     has_w = weights is not None
     variant = (topk_idx.dtype,) if aligned(topk_idx, weights, *rows) else None
-    shape.launch(
-        dispatch_send_kernel, variant, stream, *stage.args, layout.words, sync, counts_scratch,
-        pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
-        topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
-        weights.view(torch.int32) if has_w else counts_scratch, int(has_w),
-        *_fields(rows, layout), slot_out, error, timeout)
+    return Phase((counts_scratch, pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
+                  topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
+                  weights.view(torch.int32) if has_w else counts_scratch, int(has_w),
+                  *_fields(rows, layout), slot_out), variant)
 
 
 _BLOCK_E = 64  # experts per step of the receive-side histogram and scan
 GAP_SCRATCH_PER_PROGRAM = 2 * _BLOCK_E  # int32: one chunk's gap starts and lengths
 
 
-def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, layout, *,
-            full: bool, max_tokens: int, num_local: int, alignment: int, capacity: int,
-            out_rows: int, expand: bool, zero_padding: bool, tail: bool, idx_out, weights_out,
-            metadata, rank_psum, expert_counts, expert_psum, rows_out, error,
-            timeout: int, stream=None) -> None:
-    """The destination side of a dispatch (one launch of `shape.programs` programs).
+def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: int,
+                  num_local: int, alignment: int, capacity: int, out_rows: int, expand: bool,
+                  zero_padding: bool, tail: bool, idx_out, weights_out, metadata, rank_psum,
+                  expert_counts, expert_psum, rows_out) -> Phase:
+    """The destination side of a dispatch.
 
     Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
     (int32); with `full`, metadata [out_rows, K + 2] int32, idx_out [out_rows, K] (compact),
@@ -526,20 +566,32 @@ def receive(shape: KernelShape, stage: Stage, sync, hist_scratch, gap_scratch, l
     exist (pairs past it are dropped and flagged). `tail`: rows past the received prefix get
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
     num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
-    passes a bound it cannot reach. hist_scratch: int32 [2 * P * E_l]; gap_scratch: int32
-    [P * GAP_SCRATCH_PER_PROGRAM].
+    (`full=False`) passes a bound it cannot reach. hist_scratch: int32 [2 * P * E_l];
+    gap_scratch: int32 [P * GAP_SCRATCH_PER_PROGRAM].
 
-    Example (one rank, E_l 4, alignment 2, compact, after the `send` example): rank_psum = [1],
-    expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4], idx_out = [[0, 3]],
-    metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
+    Example (one rank, E_l 4, alignment 2, compact, after the `send_phase` example):
+    rank_psum = [1], expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4],
+    idx_out = [[0, 3]], metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
     """
     idx_dummy = metadata if idx_out is None else idx_out
     w_dummy = metadata if weights_out is None else weights_out.view(torch.int32)
     payload = rows_out if rows_out else [metadata]
-    shape.launch(
-        dispatch_receive_kernel, (idx_dummy.dtype,), stream, *stage.args, layout.words, sync,
-        SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens, num_local,
-        alignment, capacity, out_rows, int(full), int(expand), int(zero_padding), int(tail),
-        idx_dummy, w_dummy, int(weights_out is not None), metadata, rank_psum, expert_counts,
-        expert_psum, *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,))),
-        error, timeout, BLOCK_M=next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E)
+    return Phase((SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens,
+                  num_local, alignment, capacity, out_rows, int(full), int(expand),
+                  int(zero_padding), int(tail), idx_dummy, w_dummy,
+                  int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
+                  *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,)))),
+                 (idx_dummy.dtype,))
+
+
+def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, timeout: int,
+        send: Phase, receive: Phase, *, do_send: bool = True, do_receive: bool = True,
+        stream=None) -> None:
+    """One launch of `dispatch_kernel` on `shape.programs` programs: the send part, then the
+    receive part, or one of them (a part that does not run still needs its arguments, of the
+    dtypes the warmed-up variant has: pass the same `send` again for a receive-only launch).
+    sync: the int64 sync tensor; error: the int32 error flag; timeout: `sync.timeout_units`."""
+    variant = None if send.variant is None else send.variant + receive.variant
+    shape.launch(dispatch_kernel, variant, stream, *stage.args, layout.words, sync, error, timeout,
+                 int(do_send), int(do_receive), *send.args, *receive.args,
+                 BLOCK_M=next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E)
