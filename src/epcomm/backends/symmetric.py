@@ -189,7 +189,7 @@ class SymmetricBackend(Backend):
         return max(1, min(int(num_sms), sms))
 
     def _hist(self, num_local: int, stream=None) -> torch.Tensor:
-        """The receive kernel's scratch for `num_local` experts, grown (zeroed on `stream`,
+        """The receive part's scratch for `num_local` experts, grown (zeroed on `stream`,
         the one the kernel runs on) when too small."""
         need = 2 * self.num_sms * num_local  # histogram rows, then next-row rows
         if self._hist_scratch.numel() < need:
