@@ -97,6 +97,15 @@ def run_graph(backend: str, seed: int) -> int:
         assert_equal(f"replay {routing}: psum per expert", handle.psum_num_recv_tokens_per_expert,
                      ref.expert_starts + ref.num_recv_tokens_per_expert)
         replays += 1
+    # Eager calls through the same buffer after the capture, on another stream than the one
+    # captured (no call may wait on an event recorded during the capture), then a replay.
+    eager_x, _, eager_combined, eager_w = step()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert_equal("eager after capture: recv_x", eager_x[:n_e][valid], ref.recv_x[valid])
+    assert_equal("eager after capture: combined_x", eager_combined, want)
+    assert_equal("eager after capture: combined_topk_weights", eager_w, want_w)
+    assert_equal("replay after eager calls: combined_x", combined, want)
     return replays
 
 

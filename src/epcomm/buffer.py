@@ -281,7 +281,10 @@ class Buffer:
         direct = same_device and not host_reads and self._impl.explicit_streams
         for tensor in used:
             direct = direct and tensor.is_contiguous()
+        # Never while capturing: an event recorded in a capture cannot be waited on after it.
+        capturing = torch.cuda.is_current_stream_capturing()
         if (direct and compute is self._ordered_on and not async_with_compute_stream
+                and not capturing
                 and not allocate_on_comm_stream
                 and (previous_event is None or previous_event.event is None)):
             alloc = OutputAllocator(self.device, compute, compute)
@@ -294,7 +297,7 @@ class Buffer:
             # Calls through one buffer never overlap: this one waits for the direct ones,
             # whichever stream is current now. (An event recorded outside a graph capture
             # cannot be waited on inside it; a graph's replays are ordered by their caller.)
-            if not torch.cuda.is_current_stream_capturing():
+            if not capturing:
                 comm.wait_event(self._direct_event)
             self._direct_event = None
         if previous_event is not None and previous_event.event is not None:
@@ -333,7 +336,7 @@ class Buffer:
             held = used + outputs if async_with_compute_stream else used
             # A captured event cannot be queried later; inside a graph the graph's private
             # pool keeps the memory, and the event still carries the references.
-            if not torch.cuda.is_current_stream_capturing():
+            if not capturing:
                 self._pending.append((event, held))
         else:
             for tensor in used:
@@ -343,8 +346,9 @@ class Buffer:
                     tensor.record_stream(compute if allocate_on_comm_stream else comm)
         if not async_with_compute_stream:
             compute.wait_event(event)
-        # Async: the comm stream's work joins no stream here, so the next call starts there.
-        self._ordered_on = None if async_with_compute_stream else compute
+        # Async: the comm stream's work joins no stream here, so the next call starts there
+        # (as does the first call after a capture: captured work runs only when replayed).
+        self._ordered_on = None if async_with_compute_stream or capturing else compute
         return result, EventOverlap(event, extra_tensors=held)
 
     # -- dispatch and combine --------------------------------------------------------------
