@@ -89,14 +89,17 @@ def tiles(tokens, hidden, topk, experts):
     return rows
 
 
+def _launchers(buffer):
+    """Every `Launcher` of the buffer's symmetric backend."""
+    for shape in (buffer._impl.shape, buffer._impl.combine_shape):
+        yield from shape.launchers.values()
+
+
 def _registers(buffer) -> str:
     """Registers per thread and spill bytes of each compiled variant ("kernel regs/spills")."""
-    found = []
-    for shape in (buffer._impl.shape, buffer._impl.combine_shape):
-        for launcher in shape.launchers.values():
-            for kernel in launcher.compiled.values():
-                found.append(f"{launcher.fn.__name__} {kernel.n_regs}/{kernel.n_spills}")
-    return ", ".join(sorted(set(found)))
+    return ", ".join(sorted({f"{launcher.fn.__name__} {kernel.n_regs}/{kernel.n_spills}"
+                             for launcher in _launchers(buffer)
+                             for kernel in launcher.compiled.values()}))
 
 
 @triton.jit
@@ -147,10 +150,9 @@ def host(tokens, hidden, topk, experts):
         print(_profile(call))
     print("\nLaunchers: compiled variants kept, generic launches, why the fast path is off")
     print("| kernel | variants | generic launches | fallback |\n|---|---|---|---|")
-    for shape in (buffer._impl.shape, buffer._impl.combine_shape):
-        for launcher in shape.launchers.values():
-            print(f"| {getattr(launcher.fn, '__name__', launcher.fn)} | {len(launcher.compiled)} "
-                  f"| {launcher.generic_launches} | {launcher.fallback} |")
+    for launcher in _launchers(buffer):
+        print(f"| {getattr(launcher.fn, '__name__', launcher.fn)} | {len(launcher.compiled)} "
+              f"| {launcher.generic_launches} | {launcher.fallback} |")
 
 
 class _Timers:

@@ -283,10 +283,9 @@ class Buffer:
             direct = direct and tensor.is_contiguous()
         # Never while capturing: an event recorded in a capture cannot be waited on after it.
         capturing = torch.cuda.is_current_stream_capturing()
+        entry_event = None if previous_event is None else previous_event.event
         if (direct and compute is self._ordered_on and not async_with_compute_stream
-                and not capturing
-                and not allocate_on_comm_stream
-                and (previous_event is None or previous_event.event is None)):
+                and not capturing and not allocate_on_comm_stream and entry_event is None):
             alloc = OutputAllocator(self.device, compute, compute)
             result = work(alloc, compute)
             event = self._direct_event = torch.cuda.Event()
@@ -300,8 +299,8 @@ class Buffer:
             if not capturing:
                 comm.wait_event(self._direct_event)
             self._direct_event = None
-        if previous_event is not None and previous_event.event is not None:
-            comm.wait_event(previous_event.event)
+        if entry_event is not None:
+            comm.wait_event(entry_event)
         else:
             self._entry_event.record(compute)  # what `comm.wait_stream(compute)` does, one
             comm.wait_event(self._entry_event)  # Event object fewer

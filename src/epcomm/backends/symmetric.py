@@ -38,7 +38,7 @@ from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
 from ..kernels.dispatch import RecordLayout, payload_words
-from ..kernels.launcher import KernelShape, Stage
+from ..kernels.launcher import KernelShape, Stage, next_power_of_2
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
 from ..symm_heap import SymmetricHeap, all_gather_objects, heap_reachable
@@ -100,7 +100,7 @@ def heap_layout(num_ranks: int, stride_tokens: int, hidden: int,
 
 def _block(width: int) -> int:
     """A copy step for rows of `width` elements: a power of two (tl.arange needs one), >= 16."""
-    return max(16, 1 << (width - 1).bit_length())
+    return max(16, next_power_of_2(width))
 
 
 def _vector_words(words: list[int], widest: int) -> int:

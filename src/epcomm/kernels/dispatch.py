@@ -138,11 +138,11 @@ def _push_field(src, num_words, field_offset, bases_ptr, region_offset, first_sl
 
 @triton.jit
 def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr, num_tokens,
-                num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
-                w1, off1, slot_out, error_ptr, timeout, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                BLOCK_R: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
-                BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
+               record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr, num_tokens,
+               num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
+               w1, off1, slot_out, error_ptr, timeout, K: tl.constexpr, BLOCK_K: tl.constexpr,
+               BLOCK_R: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
+               BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -224,7 +224,6 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
         tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
                  sent_total.to(tl.int64), mask=rmask)
     add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
-    return call
 
 
 @triton.jit
@@ -303,14 +302,14 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
 
 @triton.jit
 def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                   record_words, sync_ptr, call, barrier_slot, hist_ptr, gap_ptr, max_tokens,
-                   num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
-                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
-                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
-                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
-                   VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr,
-                   BLOCK_P: tl.constexpr):
+                  record_words, sync_ptr, call, barrier_slot, hist_ptr, gap_ptr, max_tokens,
+                  num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
+                  idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
+                  expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
+                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
+                  VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr,
+                  BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -497,14 +496,14 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                          record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr,
-                          num_tokens, num_experts, idx_copy, copy_idx, weights_ptr, has_w,
-                          p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, K,
-                          BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
+                   record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr,
+                   num_tokens, num_experts, idx_copy, copy_idx, weights_ptr, has_w,
+                   p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, K,
+                   BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
     # The send barrier's counter (slot SYNC_SEND) is P per call once every program has passed
-    # it: here in this launch's send part, or in an earlier launch of this stream. (Taking the
-    # number the send part returns instead, merged from two branches, cost the copies their
-    # 16-byte accesses in Triton 3.9: scripts/compile_sm90.py.)
+    # it: here in this launch's send part, or in an earlier launch of this stream. (Returning
+    # the send part's number instead, merged from two branches, cost the copies their 16-byte
+    # accesses in Triton 3.9: scripts/compile_sm90.py.)
     call = tl.load(sync_ptr + 0, volatile=True) // tl.num_programs(0)
     if do_receive != 0:
         _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
