@@ -339,8 +339,11 @@ def test_autograd_matches_reference(do_expand: bool, do_cpu_sync: bool, device: 
     run_local_ranks(run_autograd, 2, device, do_expand, do_cpu_sync, BASE_SEED)
 
 
-def test_handle_is_public_dataclass() -> None:
-    fields = set(EPHandle.__dataclass_fields__)
+def test_handle_has_deepep_fields() -> None:
+    """DeepEP's handle fields: dataclass fields, or properties for the tensors (read through
+    the handle's `tensors` mapping)."""
+    fields = set(EPHandle.__dataclass_fields__) | {
+        name for name, value in vars(EPHandle).items() if isinstance(value, property)}
     for name in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
                  "num_unaligned_recv_tokens_per_expert", "num_recv_tokens_per_expert_list",
                  "recv_src_metadata", "topk_idx", "num_experts", "expert_alignment",

@@ -23,6 +23,9 @@ REGION = 64  # bytes: the six int64 counters of one rank (dispatch), then the st
 SHAPE = KernelShape(num_ranks=1, num_topk=K, vec=1, block_w=16, rows=4, programs=1,
                              num_warps=1, use_timer=not INTERPRET)
 TIMEOUT = timeout_units(10.0, INTERPRET)
+# The variants `dispatch.variant` names for the examples' int64 ids: without idx_out (a send or
+# counting launch), and with an int64 idx_out (a full compact receive).
+SEND_VARIANT, FULL_VARIANT = (i64, i32), (i64, i64)
 
 
 def _t(values, dtype):
@@ -80,7 +83,7 @@ def _send_example(rank: OneRank):
     slots = torch.full((2, K), -7, dtype=i32, device=DEV)
     x, layout, send = _example_send_phase(rank, slots)
     dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error, TIMEOUT, send,
-                 _idle_receive(rank, layout), do_receive=False)
+                 _idle_receive(rank, layout), do_receive=False, variant=SEND_VARIANT)
     return x, layout, slots
 
 
@@ -116,8 +119,10 @@ def _receive(rank, layout, *, out_rows=1, **options):
     """A receive-only launch (the send part ran in an earlier one)."""
     out = _receive_outputs(out_rows)
     idle_send = _example_send_phase(rank, torch.empty(2, K, dtype=i32, device=DEV))[2]
+    full = options.get("full", True) and not options.get("expand", False)
     dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error, TIMEOUT, idle_send,
-                 _receive_phase(rank, layout, out, out_rows=out_rows, **options), do_send=False)
+                 _receive_phase(rank, layout, out, out_rows=out_rows, **options), do_send=False,
+                 variant=FULL_VARIANT if full else SEND_VARIANT)
     return out
 
 
@@ -261,17 +266,62 @@ def test_launch_hooks_passed_only_when_set():
         assert _hook(chain) is chain
 
 
-def test_aligned_parts_are_views_of_one_block_on_16_byte_boundaries():
-    from epcomm.backends.base import OutputAllocator
-    from epcomm.backends.symmetric import _aligned_parts
-    alloc = OutputAllocator(torch.device("cpu"))
-    sizes = [3, 8, 0, 5, 12]
-    parts = _aligned_parts(alloc, sizes, i32)
-    assert [p.numel() for p in parts] == sizes and len(alloc.allocated) == 1
-    base = alloc.allocated[0]
-    live = [part for part in parts if part.numel()]  # (an empty tensor's data_ptr() is 0)
-    for part in live:
-        assert part.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        assert (part.data_ptr() - base.data_ptr()) % 16 == 0
-    ends = [part.data_ptr() + 4 * part.numel() for part in live]
-    assert all(end <= later.data_ptr() for end, later in zip(ends, live[1:]))  # no overlap
+def test_untyped_arguments_only_for_a_kept_variant():
+    """A kept kernel takes addresses for pointers and tensors of any dtype (`typed=False`): the
+    send and receive examples again, that way, give the same outputs. Untyped arguments for a
+    variant with no kept kernel (always, under the interpreter) raise instead of compiling a
+    kernel that would take addresses for integers."""
+    rank = OneRank()
+    x, layout, _ = _send_example(rank)
+    _receive(rank, layout)  # keeps both variants (on the GPU)
+    launcher = dispatch.launcher(SHAPE, layout)
+    assert launcher.kept(FULL_VARIANT) == (not INTERPRET) and not launcher.kept(None)
+    slots = torch.full((2, K), -7, dtype=i32, device=DEV)
+    out = _receive_outputs(1)
+    send = dispatch.send_phase(rank.counts.data_ptr(), rank.pos.data_ptr(),
+                               _t([[0, 3], [-1, -1]], i64), 4, None, [x], layout,
+                               slots.data_ptr(), typed=False)
+    receive = dispatch.receive_phase(
+        rank.hist.data_ptr(), rank.gaps.data_ptr(), layout, full=True, max_tokens=S, num_local=4,
+        alignment=2, capacity=2**31 - 1, out_rows=1, expand=False, zero_padding=True,
+        tail=False, weights_out=None, idx_out=out["idx_out"],
+        metadata=out["metadata"].data_ptr(), rank_psum=out["rank_psum"].data_ptr(),
+        expert_counts=out["expert_counts"], expert_psum=out["expert_psum"],
+        rows_out=out["rows_out"], typed=False)
+    run = dict(variant=FULL_VARIANT, typed=False)
+    if INTERPRET:
+        with pytest.raises(RuntimeError, match="untyped"):
+            dispatch.run(SHAPE, rank.dispatch, layout, rank.sync.data_ptr(),
+                         rank.error.data_ptr(), TIMEOUT, send, receive, **run)
+        return
+    dispatch.run(SHAPE, rank.dispatch, layout, rank.sync.data_ptr(), rank.error.data_ptr(),
+                 TIMEOUT, send, receive, **run)
+    assert slots.tolist() == [[0, 0], [-1, -1]]
+    assert out["idx_out"].tolist() == [[0, 3]] and out["metadata"].tolist() == [[0, 1, 0, 2]]
+    assert out["rank_psum"].tolist() == [1] and out["expert_psum"].tolist() == [2, 2, 2, 4]
+    assert torch.equal(out["rows_out"][0], x[:1])
+    assert rank.counters(0) == [2, 2, 1] and int(rank.error) == 0
+
+
+def test_tensor_block_views_on_16_byte_boundaries():
+    """`TensorBlock`: named views of one int32 allocation, each 16-byte aligned and not
+    overlapping, made on first access; `arg` gives the same address untyped; extra tensors
+    are its own."""
+    from epcomm.backends.symmetric import BlockLayout, TensorBlock
+    layout = BlockLayout([("a", (3,), i32), ("b", (2, 4), i32), ("c", (0,), i32),
+                          ("d", (5, 3), i64), ("e", (1,), i32)])
+    assert layout.words == 4 + 8 + 0 + 32 + 4
+    block = TensorBlock(torch.empty(layout.words, dtype=i32), layout,
+                        {"f": torch.ones(2)})
+    base = block.block.data_ptr()
+    ends = []
+    for name in "abde":
+        view = block[name]
+        _, shape, dtype = layout.parts[name]
+        assert view.shape == shape and view.dtype == dtype and block[name] is view
+        assert view.untyped_storage().data_ptr() == block.block.untyped_storage().data_ptr()
+        assert (view.data_ptr() - base) % 16 == 0
+        assert block.arg(name, typed=False) == view.data_ptr() and block.arg(name, True) is view
+        ends.append((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()))
+    assert all(end <= later for (_, end), (later, _) in zip(ends, ends[1:]))  # no overlap
+    assert block.arg("f", typed=False) is block["f"] and set(block) == set("abcdef")

@@ -2,9 +2,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
+
+
+def _tensor_field(name: str) -> property:
+    return property(lambda handle: handle.tensors[name], doc=f"The handle's `{name}` tensor.")
 
 
 @dataclass(eq=False)
@@ -26,14 +30,13 @@ class EPHandle:
     topk_idx: [T, K] the routing of this rank's tokens (a copy unless `do_handle_copy=False`).
     num_recv_tokens: compact output rows (the capacity `R * M` after a sync-free dispatch).
     num_expanded_tokens: expand output rows (exact, or the capacity), 0 in compact mode.
+
+    The five tensors are read through `tensors`, a mapping from their names (a backend may make
+    them on first access, as views of one allocation).
     """
 
-    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
-    psum_num_recv_tokens_per_expert: torch.Tensor
-    num_unaligned_recv_tokens_per_expert: torch.Tensor
+    tensors: Mapping[str, torch.Tensor] = field(repr=False)
     num_recv_tokens_per_expert_list: Optional[list[int]]
-    recv_src_metadata: torch.Tensor
-    topk_idx: torch.Tensor
     num_experts: int
     expert_alignment: int
     num_max_tokens_per_rank: int
@@ -47,6 +50,12 @@ class EPHandle:
     num_tokens: int = field(default=0, repr=False)
     hidden: int = field(default=0, repr=False)
     backend_state: Any = field(default=None, repr=False)
+
+    psum_num_recv_tokens_per_scaleup_rank = _tensor_field("psum_num_recv_tokens_per_scaleup_rank")
+    psum_num_recv_tokens_per_expert = _tensor_field("psum_num_recv_tokens_per_expert")
+    num_unaligned_recv_tokens_per_expert = _tensor_field("num_unaligned_recv_tokens_per_expert")
+    recv_src_metadata = _tensor_field("recv_src_metadata")
+    topk_idx = _tensor_field("topk_idx")
 
     @property
     def num_output_rows(self) -> int:

@@ -275,12 +275,13 @@ class CollectiveBackend(Backend):
         else:
             psum_expert = experts.psum_aligned
         handle = EPHandle(
-            psum_num_recv_tokens_per_scaleup_rank=recv_counts.cumsum(0).int(),
-            psum_num_recv_tokens_per_expert=psum_expert.int(),
-            num_unaligned_recv_tokens_per_expert=experts.counts.int(),
+            tensors=dict(
+                psum_num_recv_tokens_per_scaleup_rank=recv_counts.cumsum(0).int(),
+                psum_num_recv_tokens_per_expert=psum_expert.int(),
+                num_unaligned_recv_tokens_per_expert=experts.counts.int(),
+                recv_src_metadata=alloc.empty(tuple(metadata.shape), torch.int32).copy_(metadata),
+                topk_idx=request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx),
             num_recv_tokens_per_expert_list=counts_list,
-            recv_src_metadata=alloc.empty(tuple(metadata.shape), torch.int32).copy_(metadata),
-            topk_idx=request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx,
             num_experts=request.num_experts,
             expert_alignment=request.expert_alignment,
             num_max_tokens_per_rank=M,

@@ -27,7 +27,9 @@ Results are bitwise those of the collective backend (docs/semantics.md).
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
+import math
+from collections.abc import Mapping
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -111,18 +113,52 @@ def _vector_words(words: list[int], widest: int) -> int:
     return vec
 
 
-def _aligned_parts(alloc, sizes: list[int], dtype: torch.dtype) -> list[torch.Tensor]:
-    """1-D tensors of `sizes` elements (4-byte `dtype`), views of one allocation, each starting
-    on a 16-byte boundary."""
-    padded, keep = [], []
-    for size in sizes:
-        keep.append(len(padded))
-        padded.append(size)
-        if size % 4:
-            padded.append(4 - size % 4)
-    # The tensor method: `Tensor.split` adds a Python layer (5 us of host time).
-    parts = alloc.empty((sum(padded),), dtype).split_with_sizes(padded)
-    return [parts[i] for i in keep]
+class BlockLayout:
+    """Where named tensors lie in one int32 allocation: each starts on a 16-byte boundary.
+    parts: name -> (word offset, shape, dtype) for (name, shape, dtype) in `parts` order."""
+
+    def __init__(self, parts: Sequence[tuple[str, tuple[int, ...], torch.dtype]]) -> None:
+        self.parts: dict[str, tuple[int, tuple[int, ...], torch.dtype]] = {}
+        words = 0
+        for name, shape, dtype in parts:
+            self.parts[name] = (words, shape, dtype)
+            words += (math.prod(shape) * dtype.itemsize // 4 + 3) // 4 * 4
+        self.words = words
+
+
+class TensorBlock(Mapping):
+    """The tensors of a `BlockLayout` in one allocation `block` (int32), each a view made on
+    first access (a view costs about a microsecond of host time per call, and most are never
+    read on the host), plus `extra` tensors allocated on their own. `arg` gives a kernel
+    argument: the view, or for a kept kernel (untyped arguments) the bare address."""
+
+    def __init__(self, block: torch.Tensor, layout: BlockLayout,
+                 extra: Optional[dict[str, torch.Tensor]] = None) -> None:
+        self.block, self.layout = block, layout
+        self.address = block.data_ptr()
+        self.extra = {} if extra is None else extra
+        self._views: dict[str, torch.Tensor] = {}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        view = self.extra.get(name)
+        if view is None:
+            view = self._views.get(name)
+        if view is None:
+            offset, shape, dtype = self.layout.parts[name]
+            size = math.prod(shape) * dtype.itemsize // 4
+            view = self._views[name] = self.block[offset:offset + size].view(dtype).view(shape)
+        return view
+
+    def __iter__(self):
+        return iter({**self.layout.parts, **self.extra})
+
+    def __len__(self) -> int:
+        return len({**self.layout.parts, **self.extra})
+
+    def arg(self, name: str, typed: bool):
+        if typed or name in self.extra:
+            return self[name]
+        return self.address + 4 * self.layout.parts[name][0]
 
 
 class SymmetricBackend(Backend):
@@ -173,6 +209,8 @@ class SymmetricBackend(Backend):
             programs * dispatch_kernels.GAP_SCRATCH_PER_PROGRAM, dtype=i32, device=dev)
         self._hist_scratch = torch.zeros(0, dtype=i32, device=dev)
         self._layouts: dict = {}  # payload words -> RecordLayout
+        self._block_layouts: dict = {}  # see `_block_layout`
+        self._scratch_addresses = tuple(tensor.data_ptr() for tensor in self._scratch(True))
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -224,6 +262,7 @@ class SymmetricBackend(Backend):
             send = dispatch_kernels.send_phase(self._counts_scratch, self._pos_scratch, idx, 1,
                                                None, rows, layout, slots)
             for full, do_send in ((False, True), (True, False), (True, True)):
+                variant = dispatch_kernels.variant(idx, None, rows, idx_dtype if full else i32)
                 dispatch_kernels.run(
                     self.shape, dispatch, layout, sync, error, self.timeout, send,
                     dispatch_kernels.receive_phase(
@@ -232,9 +271,11 @@ class SymmetricBackend(Backend):
                         zero_padding=False, tail=False, idx_out=idx if full else None,
                         weights_out=None, metadata=meta, rank_psum=info[0],
                         expert_counts=info[1], expert_psum=info[2], rows_out=rows),
-                    do_send=do_send)
-            self._combine(combine, sync, info[0], meta, rows[0], None, False, slots, (),
-                          rows[0], None, error)
+                    do_send=do_send, variant=variant)
+            combine_kernels.combine(self.combine_shape, combine, self.combine_layout, sync,
+                                    info[0], meta, rows[0], None, False, slots, (), rows[0],
+                                    None, error, self.timeout,
+                                    variant=combine_kernels.variant(rows[0], None, ()))
         torch.cuda.synchronize(dev)
         if error.item():
             raise RuntimeError("the symmetric backend's warm-up counters did not arrive")
@@ -260,6 +301,32 @@ class SymmetricBackend(Backend):
             layout = self._layouts[words] = RecordLayout(self.num_topk, words)
         return layout
 
+    def _block_layout(self, num_tokens: int, num_local: int, num_rows: Optional[int],
+                      idx_copy_dtype: Optional[torch.dtype]) -> BlockLayout:
+        """The layout of a dispatch's handle tensors, cached per call shape: the kernels'
+        int32 outputs kept by the handle (and the copy of topk_idx) in one allocation."""
+        key = (num_tokens, num_local, num_rows, idx_copy_dtype)
+        layout = self._block_layouts.get(key)
+        if layout is None:
+            R, K, i32 = self.num_ranks, self.num_topk, torch.int32
+            parts = [("psum_num_recv_tokens_per_scaleup_rank", (R,), i32),
+                     ("num_unaligned_recv_tokens_per_expert", (num_local,), i32),
+                     ("psum_num_recv_tokens_per_expert", (num_local,), i32),
+                     ("slots", (num_tokens, K), i32)]
+            if num_rows is not None:
+                parts.append(("recv_src_metadata", (num_rows, K + 2), i32))
+            if idx_copy_dtype is not None:
+                parts.append(("topk_idx", (num_tokens, K), idx_copy_dtype))
+            layout = self._block_layouts[key] = BlockLayout(parts)
+        return layout
+
+    def _scratch(self, typed: bool) -> tuple:
+        """(sync, error flag, counts, positions, gaps) kernel arguments: the tensors, or their
+        addresses for untyped launches."""
+        tensors = (self._sync, self._flags, self._counts_scratch, self._pos_scratch,
+                   self._gap_scratch)
+        return tensors if typed else self._scratch_addresses
+
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         R, M, K = self.num_ranks, request.num_max_tokens_per_rank, self.num_topk
         E, align = request.num_experts, request.expert_alignment
@@ -267,9 +334,8 @@ class SymmetricBackend(Backend):
         sync, alloc, cached, stream = request.do_cpu_sync, request.alloc, request.cached, \
             request.stream
         expand = request.do_expand
-        i32 = torch.int32
         layout = self._record_layout(request.rows)
-        topk_idx = request.topk_idx
+        topk_idx, weights, rows = request.topk_idx, request.topk_weights, request.rows
         num_tokens = topk_idx.shape[0]
         if cached is not None and sync:
             num_rows, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
@@ -278,60 +344,70 @@ class SymmetricBackend(Backend):
         else:
             num_rows = R * M
             num_expanded = expand_capacity(R, M, K, num_local, align) if expand else 0
-        # The handle's int32 tensors are views of one allocation (one allocator call instead
-        # of five), each 16-byte aligned: the compiled kernels assume it.
-        sizes = [R, num_local, num_local, num_tokens * K]
-        if num_rows is not None:
-            sizes.append(num_rows * (K + 2))
-        parts = _aligned_parts(alloc, sizes, i32)
-        rank_psum, expert_counts, expert_psum = parts[:3]
-        slots = parts[3].view(num_tokens, K)
-        idx_copy = alloc.empty(topk_idx.shape, topk_idx.dtype) if request.copy_topk_idx else None
-        send = dispatch_kernels.send_phase(self._counts_scratch, self._pos_scratch, topk_idx, E,
-                                           request.topk_weights, request.rows, layout, slots,
-                                           idx_copy)
+        copy = request.copy_topk_idx
+        block_layout = self._block_layout(num_tokens, num_local, num_rows,
+                                          topk_idx.dtype if copy else None)
+        block = TensorBlock(alloc.empty((block_layout.words,), torch.int32), block_layout,
+                            None if copy else {"topk_idx": topk_idx})
+        # Untyped arguments (addresses, no views) when every launch of this call is kept.
+        idx_out_dtype = torch.int32 if expand else topk_idx.dtype
+        variant = dispatch_kernels.variant(topk_idx, weights, rows, idx_out_dtype)
+        launcher = dispatch_kernels.launcher(self.shape, layout)
+        count_variant = None
+        typed = not launcher.kept(variant)
+        if num_rows is None:
+            count_variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32)
+            typed = typed or not launcher.kept(count_variant)
+        sync_t, error, counts, positions, gaps = self._scratch(typed)
         hist = self._hist(num_local, stream)
+        if not typed:
+            hist = hist.data_ptr()
+        send = dispatch_kernels.send_phase(
+            counts, positions, topk_idx, E, weights, rows, layout, block.arg("slots", typed),
+            block.arg("topk_idx", typed) if copy else None, typed=typed)
         receive = dict(max_tokens=M, num_local=num_local, alignment=align, expand=expand,
-                       rank_psum=rank_psum, expert_counts=expert_counts, expert_psum=expert_psum)
-        run = dict(shape=self.shape, stage=self.dispatch_stage, layout=layout, sync=self._sync,
-                   error=self._flags, timeout=self.timeout, send=send, stream=stream)
+                       rank_psum=block.arg("psum_num_recv_tokens_per_scaleup_rank", typed),
+                       expert_counts=block.arg("num_unaligned_recv_tokens_per_expert", typed),
+                       expert_psum=block.arg("psum_num_recv_tokens_per_expert", typed),
+                       typed=typed)
+        run = dict(shape=self.shape, stage=self.dispatch_stage, layout=layout, sync=sync_t,
+                   error=error, timeout=self.timeout, send=send, stream=stream, typed=typed)
         counts_list = None
         if num_rows is None:
             # Send and count in one launch, size the outputs on the host, then receive.
-            dispatch_kernels.run(**run, receive=dispatch_kernels.receive_phase(
-                hist, self._gap_scratch, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
-                zero_padding=False, tail=False, idx_out=None, weights_out=None, metadata=slots,
-                rows_out=[], **receive))
-            num_rows = rank_psum[-1].item()  # the host sync the caller asked for
+            dispatch_kernels.run(**run, variant=count_variant,
+                                 receive=dispatch_kernels.receive_phase(
+                hist, gaps, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
+                zero_padding=False, tail=False, idx_out=None, weights_out=None,
+                metadata=block.arg("slots", typed), rows_out=[], **receive))
+            num_rows = block["psum_num_recv_tokens_per_scaleup_rank"][-1].item()  # the host sync
             self._raise_on_timeout("dispatch")
-            counts_list = [align_up(c, align) for c in expert_counts.tolist()]
+            counts_list = [align_up(c, align) for c in
+                           block["num_unaligned_recv_tokens_per_expert"].tolist()]
             num_expanded = sum(counts_list) if expand else 0
-            metadata = alloc.empty((num_rows, K + 2), i32)
+            block.extra["recv_src_metadata"] = alloc.empty((num_rows, K + 2), torch.int32)
             sent = True
         else:
-            metadata = parts[4].view(num_rows, K + 2)
             sent = False
         capacity = num_expanded if expand else _NO_CAPACITY
         out_rows = num_expanded if expand else num_rows
-        recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in request.rows]
+        recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in rows]
         recv_weights = None
-        if request.topk_weights is not None:
+        if weights is not None:
             recv_weights = alloc.empty((out_rows,) if expand else (out_rows, K), torch.float32)
         local_idx = None if expand else alloc.empty((num_rows, K), topk_idx.dtype)
-        dispatch_kernels.run(**run, do_send=not sent, receive=dispatch_kernels.receive_phase(
-            hist, self._gap_scratch, layout, full=True, capacity=capacity, out_rows=num_rows,
+        dispatch_kernels.run(**run, do_send=not sent, variant=variant,
+                             receive=dispatch_kernels.receive_phase(
+            hist, gaps, layout, full=True, capacity=capacity, out_rows=num_rows,
             zero_padding=request.do_zero_padding, tail=not sync, idx_out=local_idx,
-            weights_out=recv_weights, metadata=metadata, rows_out=recv_rows, **receive))
+            weights_out=recv_weights, metadata=block.arg("recv_src_metadata", typed),
+            rows_out=recv_rows, **receive))
 
         if cached is not None:
             return DispatchResult(recv_rows, local_idx, recv_weights, cached)
         handle = EPHandle(
-            psum_num_recv_tokens_per_scaleup_rank=rank_psum,
-            psum_num_recv_tokens_per_expert=expert_psum,
-            num_unaligned_recv_tokens_per_expert=expert_counts,
+            tensors=block,
             num_recv_tokens_per_expert_list=counts_list,
-            recv_src_metadata=metadata,
-            topk_idx=topk_idx if idx_copy is None else idx_copy,
             num_experts=E,
             expert_alignment=align,
             num_max_tokens_per_rank=M,
@@ -339,28 +415,29 @@ class SymmetricBackend(Backend):
             do_cpu_sync=sync,
             num_recv_tokens=num_rows,
             num_expanded_tokens=num_expanded,
-            backend_state=slots,
+            backend_state=block,
         )
         return DispatchResult(recv_rows, local_idx, recv_weights, handle)
 
     # -- combine ---------------------------------------------------------------------------
-    def _combine(self, stage: Stage, sync, rank_psum, metadata, x, weights, expand: bool,
-                 slots, biases, out, weights_out, error, stream=None) -> None:
-        combine_kernels.combine(self.combine_shape, stage, self.combine_layout, sync, rank_psum,
-                                metadata, x, weights, expand, slots, biases, out, weights_out,
-                                error, self.timeout, stream=stream)
-
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         handle = request.handle
-        num_tokens = handle.topk_idx.shape[0]
+        block: TensorBlock = handle.backend_state
+        num_tokens = block.layout.parts["slots"][1][0]
         combined_x = request.alloc.empty((num_tokens, self.hidden), torch.bfloat16)
         combined_weights = None
         if request.topk_weights is not None:
             combined_weights = request.alloc.empty((num_tokens, self.num_topk), torch.float32)
-        self._combine(self.combine_stage, self._sync,
-                      handle.psum_num_recv_tokens_per_scaleup_rank, handle.recv_src_metadata,
-                      request.x, request.topk_weights, handle.do_expand, handle.backend_state,
-                      request.biases, combined_x, combined_weights, self._flags, request.stream)
+        variant = combine_kernels.variant(request.x, request.topk_weights, request.biases)
+        typed = not combine_kernels.launcher(self.combine_shape).kept(variant)
+        sync, error = self._scratch(typed)[:2]
+        combine_kernels.combine(
+            self.combine_shape, self.combine_stage, self.combine_layout, sync,
+            block.arg("psum_num_recv_tokens_per_scaleup_rank", typed),
+            block.arg("recv_src_metadata", typed), request.x, request.topk_weights,
+            handle.do_expand, block.arg("slots", typed), request.biases, combined_x,
+            combined_weights, error, self.timeout, stream=request.stream, typed=typed,
+            variant=variant)
         if handle.do_cpu_sync:
             self._raise_on_timeout("combine")
         return combined_x, combined_weights

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, program_chunk, sum_along)
-from .launcher import KernelShape, Stage, aligned
+from .launcher import KernelShape, Launcher, Stage, aligned
 from .sync import COMBINE_TIMEOUT, add_counters, await_counters, own_counters, peer_counters
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
@@ -208,10 +208,23 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
 
 
 
+def variant(x: torch.Tensor, weights: Optional[torch.Tensor],
+            biases: Sequence[torch.Tensor]) -> Optional[tuple]:
+    """The compiled variant of a combine with these caller tensors (None when one is not
+    16-byte aligned: the generic path; the backend's own tensors always are)."""
+    return () if aligned(x, weights, *biases) else None
+
+
+def launcher(shape: KernelShape) -> Launcher:
+    """The `Launcher` of `combine_kernel`."""
+    return shape.launcher(combine_kernel, width="BLOCK_H")
+
+
 def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata,
             x, weights: Optional[torch.Tensor], expand: bool, slots,
             biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
-            timeout: int, stream=None) -> None:
+            timeout: int, stream=None, typed: bool = True,
+            variant: Optional[tuple] = None) -> None:
     """A whole combine on this rank, one launch: return every received row to its source, then,
     once every peer's rows have arrived, `out[t] = bf16(0.0 + bias0[t] + bias1[t] +
     record(slots[t, j]) for the slots j >= 0 whose record no later slot repeats)`, summed in
@@ -223,7 +236,9 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
     (compact), [expand rows] (expand) or None. Reduced side: slots [T, K] int32, the dispatch
     send's slot_out (record `d * S + p`: rank d returned it for the token this rank sent it as
     its p-th); biases: zero, one or two bf16 [T, H]; out: bf16 [T, H]; weights_out: fp32 [T, K]
-    or None.
+    or None. variant: `variant(x, weights, biases)` (None: the generic path). `typed=False`
+    (allowed when `launcher(shape).kept(variant)`): the backend's pointers (sync, rank_psum,
+    metadata, slots, error) may be addresses, and no dtype views are made.
 
     Example (one rank, H 2, K 2, compact): rank_psum = [1], metadata = [[0, 1, 0, 2]],
     x = bf16 [[5, 6]], weights = [[0.5, 0.25]], slots = [[0, 0], [-1, -1]],
@@ -231,13 +246,16 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
     out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]]; the ready and free counters
     += P.
     """
-    has_w = weights is not None
-    out16 = out.view(torch.int16)
-    bias16 = [bias.view(torch.int16) for bias in biases] or [out16]  # (absent: never read)
-    shape.launch(
-        combine_kernel, () if aligned(x, weights, *biases) else None, stream, *stage.args,
-        layout.words, layout.weight_offset, sync, rank_psum, metadata, x.view(torch.int16),
-        int(expand), weights.view(torch.int32) if has_w else metadata, int(has_w),
-        slots.shape[0], slots, bias16[0], bias16[-1], len(biases), out16,
-        slots if weights_out is None else weights_out.view(torch.int32),
-        int(weights_out is not None), x.shape[1], error, timeout, width="BLOCK_H")
+    has_w, has_w_out = weights is not None, weights_out is not None
+    if typed:
+        x, out = x.view(torch.int16), out.view(torch.int16)
+        biases = [bias.view(torch.int16) for bias in biases]
+        weights = weights.view(torch.int32) if has_w else weights
+        weights_out = weights_out.view(torch.int32) if has_w_out else weights_out
+    bias0, bias1 = (*biases, out, out)[:2]  # (absent biases are never read)
+    launcher(shape)(
+        variant, stream, *(stage.args if typed else stage.untyped_args),
+        layout.words, layout.weight_offset, sync, rank_psum, metadata, x, int(expand),
+        weights if has_w else metadata, int(has_w), out.shape[0], slots, bias0, bias1,
+        len(biases), out, weights_out if has_w_out else slots, int(has_w_out), x.shape[1], error,
+        timeout, typed=typed)

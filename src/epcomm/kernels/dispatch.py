@@ -45,7 +45,7 @@ import triton.language as tl
 
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      program_chunk, running_total, sum_along, total, word_ptrs)
-from .launcher import KernelShape, Stage, aligned, next_power_of_2
+from .launcher import KernelShape, Launcher, Stage, aligned, next_power_of_2
 from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE_OVERFLOW,
                    add_counters, await_counters, grid_barrier, own_counters, peer_counters)
 
@@ -86,9 +86,10 @@ def payload_words(rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(row.shape[1] * row.element_size() // 4 for row in rows)
 
 
-def _fields(rows: Sequence[torch.Tensor], layout: RecordLayout):
-    """(words tensor, words, offset) of payload 0 and 1; a missing payload 1 has 0 words."""
-    words = [row.view(torch.int32) for row in rows]
+def _fields(rows: Sequence, layout: RecordLayout, typed: bool = True):
+    """(words tensor, words, offset) of payload 0 and 1; a missing payload 1 has 0 words.
+    Untyped: the rows as given (tensors of any dtype, or addresses)."""
+    words = [row.view(torch.int32) for row in rows] if typed else rows
     sizes, offsets = layout.payload_words, layout.offsets
     first = (words[0], sizes[0], offsets[0])
     second = (words[1], sizes[1], offsets[1]) if len(words) > 1 else (words[0], 0, 0)
@@ -514,26 +515,33 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
 
 
-@dataclass(frozen=True)
-class Phase:
-    """One part's arguments of `dispatch_kernel`, and the argument dtypes its compiled variant
-    depends on (None if some pointer is not 16-byte aligned: the generic launch path)."""
+def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
+            rows: Sequence[torch.Tensor], idx_out_dtype: torch.dtype) -> Optional[tuple]:
+    """The compiled variant of a launch with these caller tensors: the dtypes of topk_idx and
+    of the receive part's idx_out (int32 when there is none), or None when a caller pointer is
+    not 16-byte aligned (the generic path; the backend's own tensors always are)."""
+    if not aligned(topk_idx, weights, *rows):
+        return None
+    return topk_idx.dtype, idx_out_dtype
 
-    args: tuple
-    variant: Optional[tuple]
+
+def launcher(shape: KernelShape, layout: RecordLayout) -> Launcher:
+    """The `Launcher` of `dispatch_kernel` for records of `layout`."""
+    return shape.launcher(dispatch_kernel, BLOCK_M=next_power_of_2(layout.num_topk + 2),
+                          BLOCK_E=_BLOCK_E)
 
 
 def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
                weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor],
-               layout: RecordLayout, slot_out,
-               idx_copy: Optional[torch.Tensor] = None) -> Phase:
+               layout: RecordLayout, slot_out, idx_copy=None, typed: bool = True) -> tuple:
     """The source side of a dispatch.
 
     topk_idx: [T, K] int32/int64 global expert ids; weights: [T, K] fp32 or None; rows: the
     payload tensors [T, *]; slot_out: [T, K] int32, receives `d * S + p` for a slot whose rank d
     gets the token as its p-th, -1 for an invalid slot; idx_copy (like topk_idx, or None)
     receives a copy of topk_idx. counts_scratch: int32 [P * next_pow2(R)], pos_scratch: int32
-    [>= T * R].
+    [>= T * R]. `typed=False`: arguments for a kept kernel (`launcher.Launcher.kept`): the
+    backend's pointers may be addresses, no dtype views are made.
 
     Example (one rank, E 4, S 4, K 2, x = bf16 [[1, 2], [3, 4]] (one word per row; records of
     12 words: header 5, payload at word 8), topk_idx = [[0, 3], [-1, -1]], no weights): record
@@ -541,11 +549,12 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
     counter += P, count slot = 1.
     """
     has_w = weights is not None
-    variant = (topk_idx.dtype,) if aligned(topk_idx, weights, *rows) else None
-    return Phase((counts_scratch, pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
-                  topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
-                  weights.view(torch.int32) if has_w else counts_scratch, int(has_w),
-                  *_fields(rows, layout), slot_out), variant)
+    if has_w and typed:
+        weights = weights.view(torch.int32)
+    return (counts_scratch, pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
+            topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
+            weights if has_w else counts_scratch, int(has_w), *_fields(rows, layout, typed),
+            slot_out)
 
 
 _BLOCK_E = 64  # experts per step of the receive-side histogram and scan
@@ -555,7 +564,7 @@ GAP_SCRATCH_PER_PROGRAM = 2 * _BLOCK_E  # int32: one chunk's gap starts and leng
 def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: int,
                   num_local: int, alignment: int, capacity: int, out_rows: int, expand: bool,
                   zero_padding: bool, tail: bool, idx_out, weights_out, metadata, rank_psum,
-                  expert_counts, expert_psum, rows_out) -> Phase:
+                  expert_counts, expert_psum, rows_out, typed: bool = True) -> tuple:
     """The destination side of a dispatch.
 
     Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
@@ -566,31 +575,32 @@ def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: 
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
     num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
     (`full=False`) passes a bound it cannot reach. hist_scratch: int32 [2 * P * E_l];
-    gap_scratch: int32 [P * GAP_SCRATCH_PER_PROGRAM].
+    gap_scratch: int32 [P * GAP_SCRATCH_PER_PROGRAM]. `typed` as in `send_phase`.
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send_phase` example):
     rank_psum = [1], expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4],
     idx_out = [[0, 3]], metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
     """
-    idx_dummy = metadata if idx_out is None else idx_out
-    w_dummy = metadata if weights_out is None else weights_out.view(torch.int32)
+    w_dummy = metadata if weights_out is None else \
+        weights_out.view(torch.int32) if typed else weights_out
     payload = rows_out if rows_out else [metadata]
-    return Phase((SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens,
-                  num_local, alignment, capacity, out_rows, int(full), int(expand),
-                  int(zero_padding), int(tail), idx_dummy, w_dummy,
-                  int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
-                  *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,)))),
-                 (idx_dummy.dtype,))
+    return (SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens,
+            num_local, alignment, capacity, out_rows, int(full), int(expand), int(zero_padding),
+            int(tail), metadata if idx_out is None else idx_out, w_dummy,
+            int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
+            *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,)),
+                     typed))
 
 
 def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, timeout: int,
-        send: Phase, receive: Phase, *, do_send: bool = True, do_receive: bool = True,
-        stream=None) -> None:
+        send: tuple, receive: tuple, *, do_send: bool = True, do_receive: bool = True,
+        stream=None, variant: Optional[tuple] = None, typed: bool = True) -> None:
     """One launch of `dispatch_kernel` on `shape.programs` programs: the send part, then the
     receive part, or one of them (a part that does not run still needs its arguments, of the
     dtypes the warmed-up variant has: pass the same `send` again for a receive-only launch).
-    sync: the int64 sync tensor; error: the int32 error flag; timeout: `sync.timeout_units`."""
-    variant = None if send.variant is None else send.variant + receive.variant
-    shape.launch(dispatch_kernel, variant, stream, *stage.args, layout.words, sync, error, timeout,
-                 int(do_send), int(do_receive), *send.args, *receive.args,
-                 BLOCK_M=next_power_of_2(layout.num_topk + 2), BLOCK_E=_BLOCK_E)
+    sync: the int64 sync tensor; error: the int32 error flag; timeout: `sync.timeout_units`;
+    variant: `variant(...)` of the launch's tensors (None: the generic path); typed: whether
+    the phases were built typed."""
+    launcher(shape, layout)(variant, stream, *(stage.args if typed else stage.untyped_args),
+                            layout.words, sync, error, timeout, int(do_send), int(do_receive),
+                            *send, *receive, typed=typed)

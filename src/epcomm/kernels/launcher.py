@@ -12,6 +12,11 @@ The caller names the variant: everything Triton would specialize on must be in t
 dtypes of tensors whose dtype varies; whether every pointer is 16-byte aligned: pass
 `variant=None` when one is not, which always takes the generic path). Integer arguments are
 all `do_not_specialize` in our kernels. Under the interpreter every launch is generic.
+
+A kept kernel's launcher only reads each pointer argument's address: when `Launcher.kept`
+says the variant is kept, a caller may pass bare addresses (ints: no `data_ptr()` call and no
+driver query per pointer) and tensors of any dtype (no dtype views); it then launches with
+`typed=False`. The generic path needs typed tensors.
 """
 from __future__ import annotations
 
@@ -48,10 +53,19 @@ class Launcher:
         self.generic_launches = 0
         self.fallback: Optional[str] = None  # why `fast` was turned off
 
-    def __call__(self, variant: Optional[Hashable], stream, *args) -> None:
+    def kept(self, variant: Optional[Hashable]) -> bool:
+        """Whether a launch of `variant` takes the compiled kernel's fast path (then it may
+        take untyped arguments)."""
+        return self.fast and variant is not None and variant in self.compiled
+
+    def __call__(self, variant: Optional[Hashable], stream, *args, typed: bool = True) -> None:
         """Launch on `stream` (a CUDA stream; None: the current stream, and always under the
-        interpreter)."""
+        interpreter). `typed=False`: `args` are untyped (see the module docstring), allowed
+        only when `kept(variant)`."""
         kernel = self.compiled.get(variant) if self.fast and variant is not None else None
+        if kernel is None and not typed:
+            raise RuntimeError(f"{self.fn.__name__}: untyped arguments for variant {variant!r}, "
+                               "which has no kept compiled kernel")
         if kernel is not None:
             raw = (torch.cuda.current_stream() if stream is None else stream).cuda_stream
             args += self.tail
@@ -66,8 +80,11 @@ class Launcher:
             except (TypeError, OverflowError) as error:
                 # Rejected before launching: a Triton whose compiled kernels take their
                 # arguments differently, or an int that no longer fits the variant's i32 (the
-                # generic path picks the i64 one). Use the generic path from now on.
+                # generic path picks the i64 one). Use the generic path from now on (untyped
+                # arguments cannot take it: this call fails, later ones are typed).
                 self.fast, self.fallback = False, repr(error)
+                if not typed:
+                    raise
                 args = args[:len(args) - len(self.tail)]
         self.generic_launches += 1
         current = None
@@ -119,17 +136,17 @@ class KernelShape:
         """The programs as one block (kernels that read a value of every program)."""
         return max(2, next_power_of_2(self.programs))
 
-    def launch(self, fn, variant, stream, *args, width: str = "BLOCK_W", **extra) -> None:
-        """Launch `fn` on P programs of `stream` with this shape's constants (and `extra`
-        ones) through a cached `Launcher`; `variant` and `stream` as `Launcher` takes them.
-        Each call site passes `extra` in a fixed order (it is part of the cache key)."""
+    def launcher(self, fn, width: str = "BLOCK_W", **extra) -> Launcher:
+        """The cached `Launcher` of `fn` on P programs with this shape's constants (and
+        `extra` ones). Each call site passes `extra` in a fixed order (it is part of the cache
+        key)."""
         # id(fn): hashing a JITFunction hashes its source-derived cache key (2.6 us).
         key = (id(fn), width, *extra.values())
         launcher = self.launchers.get(key)
         if launcher is None:
             launcher = self.launchers[key] = Launcher(fn, self.programs,
                                                       {**self.constants(width), **extra})
-        launcher(variant, stream, *args)
+        return launcher
 
 
 def next_power_of_2(n: int) -> int:
@@ -159,8 +176,10 @@ class Stage:
     region_offset: int
     stride_tokens: int
     args: tuple = field(init=False, repr=False, compare=False)  # the kernels' first arguments
+    untyped_args: tuple = field(init=False, repr=False, compare=False)  # `bases` as an address
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "args", (self.bases, self.rank, self.bases.numel(),
-                                          self.flags_offset, self.region_offset,
-                                          self.stride_tokens))
+        rest = (self.rank, self.bases.numel(), self.flags_offset, self.region_offset,
+                self.stride_tokens)
+        object.__setattr__(self, "args", (self.bases, *rest))
+        object.__setattr__(self, "untyped_args", (self.bases.data_ptr(), *rest))
