@@ -40,7 +40,7 @@ from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
 from ..kernels.dispatch import RecordLayout, payload_words
-from ..kernels.launcher import KernelShape, Stage, next_power_of_2
+from ..kernels.launcher import KernelShape, Launcher, Stage, next_power_of_2
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
 from ..symm_heap import SymmetricHeap, all_gather_objects, heap_reachable
@@ -208,7 +208,8 @@ class SymmetricBackend(Backend):
         self._gap_scratch = torch.zeros(
             programs * dispatch_kernels.GAP_SCRATCH_PER_PROGRAM, dtype=i32, device=dev)
         self._hist_scratch = torch.zeros(0, dtype=i32, device=dev)
-        self._layouts: dict = {}  # payload words -> RecordLayout
+        self._layouts: dict = {}  # payload words -> (RecordLayout, its dispatch Launcher)
+        self._combine_launcher = combine_kernels.launcher(self.combine_shape)
         self._block_layouts: dict = {}  # see `_block_layout`
         self._scratch_addresses = tuple(tensor.data_ptr() for tensor in self._scratch(True))
         if self.device.type == "cuda":
@@ -294,12 +295,14 @@ class SymmetricBackend(Backend):
                 f"rank {self.rank}: {stage}: a peer did not arrive within {self.timeout_s} s")
 
     # -- dispatch --------------------------------------------------------------------------
-    def _record_layout(self, rows) -> RecordLayout:
+    def _record_layout(self, rows) -> tuple[RecordLayout, Launcher]:
+        """The record layout of these payload rows, and the dispatch kernel's launcher for it."""
         words = payload_words(rows)
-        layout = self._layouts.get(words)
-        if layout is None:
-            layout = self._layouts[words] = RecordLayout(self.num_topk, words)
-        return layout
+        entry = self._layouts.get(words)
+        if entry is None:
+            layout = RecordLayout(self.num_topk, words)
+            entry = self._layouts[words] = layout, dispatch_kernels.launcher(self.shape, layout)
+        return entry
 
     def _block_layout(self, num_tokens: int, num_local: int, num_rows: Optional[int],
                       idx_copy_dtype: Optional[torch.dtype]) -> BlockLayout:
@@ -334,7 +337,7 @@ class SymmetricBackend(Backend):
         sync, alloc, cached, stream = request.do_cpu_sync, request.alloc, request.cached, \
             request.stream
         expand = request.do_expand
-        layout = self._record_layout(request.rows)
+        layout, launcher = self._record_layout(request.rows)
         topk_idx, weights, rows = request.topk_idx, request.topk_weights, request.rows
         num_tokens = topk_idx.shape[0]
         if cached is not None and sync:
@@ -352,7 +355,6 @@ class SymmetricBackend(Backend):
         # Untyped arguments (addresses, no views) when every launch of this call is kept.
         idx_out_dtype = torch.int32 if expand else topk_idx.dtype
         variant = dispatch_kernels.variant(topk_idx, weights, rows, idx_out_dtype)
-        launcher = dispatch_kernels.launcher(self.shape, layout)
         count_variant = None
         typed = not launcher.kept(variant)
         if num_rows is None:
@@ -371,7 +373,8 @@ class SymmetricBackend(Backend):
                        expert_psum=block.arg("psum_num_recv_tokens_per_expert", typed),
                        typed=typed)
         run = dict(shape=self.shape, stage=self.dispatch_stage, layout=layout, sync=sync_t,
-                   error=error, timeout=self.timeout, send=send, stream=stream, typed=typed)
+                   error=error, timeout=self.timeout, send=send, stream=stream, typed=typed,
+                   kernel=launcher)
         counts_list = None
         if num_rows is None:
             # Send and count in one launch, size the outputs on the host, then receive.
@@ -429,7 +432,7 @@ class SymmetricBackend(Backend):
         if request.topk_weights is not None:
             combined_weights = request.alloc.empty((num_tokens, self.num_topk), torch.float32)
         variant = combine_kernels.variant(request.x, request.topk_weights, request.biases)
-        typed = not combine_kernels.launcher(self.combine_shape).kept(variant)
+        typed = not self._combine_launcher.kept(variant)
         sync, error = self._scratch(typed)[:2]
         combine_kernels.combine(
             self.combine_shape, self.combine_stage, self.combine_layout, sync,
@@ -437,7 +440,7 @@ class SymmetricBackend(Backend):
             block.arg("recv_src_metadata", typed), request.x, request.topk_weights,
             handle.do_expand, block.arg("slots", typed), request.biases, combined_x,
             combined_weights, error, self.timeout, stream=request.stream, typed=typed,
-            variant=variant)
+            variant=variant, kernel=self._combine_launcher)
         if handle.do_cpu_sync:
             self._raise_on_timeout("combine")
         return combined_x, combined_weights

@@ -224,7 +224,7 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
             x, weights: Optional[torch.Tensor], expand: bool, slots,
             biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
             timeout: int, stream=None, typed: bool = True,
-            variant: Optional[tuple] = None) -> None:
+            variant: Optional[tuple] = None, kernel: Optional[Launcher] = None) -> None:
     """A whole combine on this rank, one launch: return every received row to its source, then,
     once every peer's rows have arrived, `out[t] = bf16(0.0 + bias0[t] + bias1[t] +
     record(slots[t, j]) for the slots j >= 0 whose record no later slot repeats)`, summed in
@@ -238,7 +238,8 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
     its p-th); biases: zero, one or two bf16 [T, H]; out: bf16 [T, H]; weights_out: fp32 [T, K]
     or None. variant: `variant(x, weights, biases)` (None: the generic path). `typed=False`
     (allowed when `launcher(shape).kept(variant)`): the backend's pointers (sync, rank_psum,
-    metadata, slots, error) may be addresses, and no dtype views are made.
+    metadata, slots, error) may be addresses, and no dtype views are made. kernel:
+    `launcher(shape)`, if the caller keeps it.
 
     Example (one rank, H 2, K 2, compact): rank_psum = [1], metadata = [[0, 1, 0, 2]],
     x = bf16 [[5, 6]], weights = [[0.5, 0.25]], slots = [[0, 0], [-1, -1]],
@@ -253,7 +254,7 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
         weights = weights.view(torch.int32) if has_w else weights
         weights_out = weights_out.view(torch.int32) if has_w_out else weights_out
     bias0, bias1 = (*biases, out, out)[:2]  # (absent biases are never read)
-    launcher(shape)(
+    (kernel or launcher(shape))(
         variant, stream, *(stage.args if typed else stage.untyped_args),
         layout.words, layout.weight_offset, sync, rank_psum, metadata, x, int(expand),
         weights if has_w else metadata, int(has_w), out.shape[0], slots, bias0, bias1,

@@ -594,13 +594,14 @@ def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: 
 
 def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, timeout: int,
         send: tuple, receive: tuple, *, do_send: bool = True, do_receive: bool = True,
-        stream=None, variant: Optional[tuple] = None, typed: bool = True) -> None:
+        stream=None, variant: Optional[tuple] = None, typed: bool = True,
+        kernel: Optional[Launcher] = None) -> None:
     """One launch of `dispatch_kernel` on `shape.programs` programs: the send part, then the
     receive part, or one of them (a part that does not run still needs its arguments, of the
     dtypes the warmed-up variant has: pass the same `send` again for a receive-only launch).
     sync: the int64 sync tensor; error: the int32 error flag; timeout: `sync.timeout_units`;
     variant: `variant(...)` of the launch's tensors (None: the generic path); typed: whether
-    the phases were built typed."""
-    launcher(shape, layout)(variant, stream, *(stage.args if typed else stage.untyped_args),
-                            layout.words, sync, error, timeout, int(do_send), int(do_receive),
-                            *send, *receive, typed=typed)
+    the phases were built typed; kernel: `launcher(shape, layout)`, if the caller keeps it."""
+    kernel = kernel or launcher(shape, layout)
+    kernel(variant, stream, *(stage.args if typed else stage.untyped_args), layout.words, sync,
+           error, timeout, int(do_send), int(do_receive), *send, *receive, typed=typed)
