@@ -245,3 +245,73 @@ def test_cuda_sync_free_and_graph():
     env = dict(os.environ, PYTHONPATH=str(root / "src"))
     subprocess.run([sys.executable, str(root / "scripts" / "gpu_symmetric.py"), "--ranks", "2",
                     "--tokens", "128", "--hidden", "512", "--no-bench"], check=True, env=env)
+
+
+def _launch_addresses(case_list):
+    """Every kernel launch of a dispatch, a cached dispatch and a combine per case, built typed
+    and untyped over the same tensors (the allocator hands both runs the same ones, launches
+    are recorded instead of run): (kernel, variant, typed, arguments with tensors as
+    addresses) per launch."""
+    from epcomm.backends.base import OutputAllocator
+    from epcomm.buffer import Buffer
+    from epcomm.kernels.launcher import Launcher
+
+    pool, launches, state = [], [], {"next": 0, "kept": False}
+
+    def empty(alloc, shape, dtype):
+        index, state["next"] = state["next"], state["next"] + 1
+        if index == len(pool):
+            # (2s: a synchronizing dispatch reads 2 rows and 2 pairs per expert from its block)
+            pool.append(torch.full(shape, 2, dtype=dtype))
+        tensor = pool[index]
+        assert tensor.shape == torch.Size(shape) and tensor.dtype == dtype, (index, shape, dtype)
+        alloc.allocated.append(tensor)
+        return tensor
+
+    def record(launcher, variant, stream, *args, typed=True):
+        launches.append((launcher.fn.__name__, variant, typed,
+                         [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]))
+
+    OutputAllocator.empty = empty
+    Launcher.__call__ = record
+    Launcher.kept = lambda launcher, variant: state["kept"] and variant is not None
+    buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", device="cpu")
+    results = []
+    for case, (fp8, expand, sync, with_weights, biases) in enumerate(case_list):
+        x, idx, weights = _data(0, M - 1, 8, fp8, False, case)
+        weights = weights if with_weights else None
+        bias = tuple(torch.randn(M - 1, H).bfloat16() for _ in range(biases))
+        inputs = {}
+        pool.clear()
+        for kept in (False, True):
+            state["kept"], state["next"] = kept, 0
+            launches.clear()
+            _, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=8,
+                                                 do_cpu_sync=sync, do_expand=expand)
+            buffer.dispatch(x, handle=handle)
+            rows = handle.num_output_rows
+            if not inputs:  # the combine's caller tensors, the same for both runs
+                inputs = dict(x=torch.randn(rows, H).bfloat16(),
+                              weights=torch.rand((rows,) if expand else (rows, K))
+                              if with_weights else None)
+            buffer.combine(inputs["x"], handle, topk_weights=inputs["weights"], bias=bias)
+            results.append((case, kept, list(launches)))
+    return results
+
+
+def test_untyped_launches_pass_the_typed_addresses():
+    """What `typed=False` launches (a kept compiled kernel on the GPU) receive: the same
+    arguments as typed launches, pointer for pointer (a tensor and its address, a handle part
+    and its offset into the block), for both layouts, bf16 and FP8, with and without weights,
+    synchronizing (two dispatch launches) and sync-free, cached dispatch and biases."""
+    cases = [(False, False, False, True, 0), (False, True, False, True, 2),
+             (True, False, True, False, 1), (True, True, True, True, 0),
+             (False, False, True, True, 2)]
+    results = run_local_ranks(_launch_addresses, 1, cases)[0]
+    for (case, kept, untyped), (_, _, typed) in zip(results[1::2], results[0::2]):
+        assert kept and len(untyped) == len(typed) >= 3, (case, len(untyped), len(typed))
+        assert all(launch[2] for launch in typed) and not any(launch[2] for launch in untyped)
+        for got, want in zip(untyped, typed):
+            assert got[:2] == want[:2], (case, got[:2], want[:2])
+            assert got[3] == want[3], (case, got[0], [
+                (i, a, b) for i, (a, b) in enumerate(zip(got[3], want[3])) if a != b])
