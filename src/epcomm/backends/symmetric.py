@@ -113,6 +113,11 @@ def _vector_words(words: list[int], widest: int) -> int:
     return vec
 
 
+def _words(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    """int32 words of a tensor of `shape` and 4- or 8-byte `dtype`."""
+    return math.prod(shape) * dtype.itemsize // 4
+
+
 class BlockLayout:
     """Where named tensors lie in one int32 allocation: each starts on a 16-byte boundary.
     parts: name -> (word offset, shape, dtype) for (name, shape, dtype) in `parts` order."""
@@ -122,7 +127,7 @@ class BlockLayout:
         words = 0
         for name, shape, dtype in parts:
             self.parts[name] = (words, shape, dtype)
-            words += (math.prod(shape) * dtype.itemsize // 4 + 3) // 4 * 4
+            words += (_words(shape, dtype) + 3) // 4 * 4
         self.words = words
 
 
@@ -145,8 +150,8 @@ class TensorBlock(Mapping):
             view = self._views.get(name)
         if view is None:
             offset, shape, dtype = self.layout.parts[name]
-            size = math.prod(shape) * dtype.itemsize // 4
-            view = self._views[name] = self.block[offset:offset + size].view(dtype).view(shape)
+            view = self._views[name] = \
+                self.block[offset:offset + _words(shape, dtype)].view(dtype).view(shape)
         return view
 
     def __iter__(self):
@@ -326,9 +331,10 @@ class SymmetricBackend(Backend):
     def _scratch(self, typed: bool) -> tuple:
         """(sync, error flag, counts, positions, gaps) kernel arguments: the tensors, or their
         addresses for untyped launches."""
-        tensors = (self._sync, self._flags, self._counts_scratch, self._pos_scratch,
-                   self._gap_scratch)
-        return tensors if typed else self._scratch_addresses
+        if not typed:
+            return self._scratch_addresses
+        return (self._sync, self._flags, self._counts_scratch, self._pos_scratch,
+                self._gap_scratch)
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         R, M, K = self.num_ranks, request.num_max_tokens_per_rank, self.num_topk
@@ -426,7 +432,7 @@ class SymmetricBackend(Backend):
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         handle = request.handle
         block: TensorBlock = handle.backend_state
-        num_tokens = block.layout.parts["slots"][1][0]
+        num_tokens = handle.num_tokens
         combined_x = request.alloc.empty((num_tokens, self.hidden), torch.bfloat16)
         combined_weights = None
         if request.topk_weights is not None:
