@@ -38,7 +38,7 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
     dispatch.dispatch_kernel: dict(
         bases_ptr="i64", sync_ptr="i64", error_ptr="i32", counts_scratch="i32",
         pos_scratch="i32", idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32",
-        p1_ptr="i32", slot_out="i32", hist_ptr="i32", gap_ptr="i32", idx_out="i64", w_out="i32",
+        p1_ptr="i32", slot_out="i32", hist_ptr="i32", idx_out="i64", w_out="i32",
         meta_out="i32", rank_psum_out="i32", expert_count_out="i32", expert_psum_out="i32",
         q0_out="i32", q1_out="i32"),
     combine.combine_kernel: dict(
@@ -55,7 +55,7 @@ def _constants(fn, shape) -> tuple[dict, int]:
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
             TILE["combine_warps"]
-    extra = dict(BLOCK_M=16, BLOCK_E=64)
+    extra = dict(BLOCK_M=16, BLOCK_E=dispatch._BLOCK_E, BLOCK_T=dispatch._BLOCK_T)
     return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
         TILE["num_warps"]
 

@@ -1,11 +1,13 @@
 """Tune the symmetric backend's tiles, and see where host time goes (GPU machine, EP=1).
 
     PYTHONPATH=src python3 scripts/gpu_tune.py [--tokens 4096] [--hidden 7168] [--host]
+                                               [--no-tiles] [--current]
 
 1. For each candidate tile of `backends.symmetric` (rows per tile, copy-step width, warps of the
    dispatch and of the combine kernels) a one-rank symmetric buffer runs sync-free compact and
    expand round trips; the torch profiler gives each kernel's mean GPU time. One table; the
-   constants in `backends/symmetric.py` cite the winner.
+   constants in `backends/symmetric.py` cite the winner. `--current`: only the backend's tile
+   (an A/B of two trees: run it once with each tree's `src` on PYTHONPATH).
 2. With `--host`: the median host time of pieces of a call with the GPU idle before each (a
    torch.empty, a stream switch, an empty Triton launch with as many arguments as ours, a whole
    dispatch and combine), then where the host time of a dispatch and of a combine goes
@@ -70,14 +72,17 @@ def _kernel_times(buffer, x, idx, w, experts, expand, iters=10):
     return times
 
 
-def tiles(tokens, hidden, topk, experts):
+def tiles(tokens, hidden, topk, experts, current_only=False):
     from epcomm.backends import symmetric
     from epcomm.buffer import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, w = _data(tokens, hidden, topk, experts, device)
     names = ("dispatch_kernel", "combine_kernel")
     rows = []
-    for rows_d, block_w, warps_d, rows_c, block_h, warps_c in CANDIDATES:
+    candidates = [tuple(symmetric._GPU_TILE[k] for k in (
+        "rows", "block_w", "num_warps", "combine_rows", "block_h", "combine_warps"))] \
+        if current_only else CANDIDATES
+    for rows_d, block_w, warps_d, rows_c, block_h, warps_c in candidates:
         symmetric._GPU_TILE = dict(rows=rows_d, block_w=block_w, num_warps=warps_d,
                                    combine_rows=rows_c, block_h=block_h, combine_warps=warps_c)
         buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
@@ -245,13 +250,15 @@ def main():
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--no-tiles", action="store_true")
+    parser.add_argument("--current", action="store_true",
+                        help="time only the backend's current tile")
     args = parser.parse_args()
     shape = (args.tokens, args.hidden, args.topk, args.experts)
     if args.host:
         run_local_ranks(host, 1, *shape, timeout_s=600)
     if args.no_tiles:
         return
-    rows = run_local_ranks(tiles, 1, *shape, timeout_s=600)[0]
+    rows = run_local_ranks(tiles, 1, *shape, args.current, timeout_s=600)[0]
     print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
     print("| dispatch rows/width/warps | combine rows/width/warps | layout | dispatch | "
           "combine | registers/spill bytes |\n|---|---|---|---|---|---|")

@@ -45,8 +45,8 @@ class OneRank:
         self.error = _t(0, i32)
         self.counts = torch.zeros(16, dtype=i32, device=DEV)
         self.pos = torch.zeros(16, dtype=i32, device=DEV)
-        self.hist = torch.zeros(64, dtype=i32, device=DEV)
-        self.gaps = torch.zeros(128, dtype=i32, device=DEV)
+        self.hist = torch.zeros(dispatch.hist_scratch_words(1, SHAPE.rows, S, 4, K), dtype=i32,
+                                device=DEV)
 
     def counters(self, offset: int):
         """(ready, free, count) of the counter array at byte `offset`."""
@@ -65,7 +65,7 @@ def _word(values, dtype):
 def _idle_receive(rank: OneRank, layout):
     """Arguments for the receive part of a launch that runs only the send part."""
     return dispatch.receive_phase(
-        rank.hist, rank.gaps, layout, full=False, max_tokens=S, num_local=4, alignment=1,
+        rank.hist, layout, full=False, max_tokens=S, num_local=4, alignment=1,
         capacity=0, out_rows=0, expand=False, zero_padding=False, tail=False, idx_out=None,
         weights_out=None, metadata=rank.pos, rank_psum=rank.counts, expert_counts=rank.hist,
         expert_psum=rank.hist, rows_out=[])
@@ -109,7 +109,7 @@ def _receive_outputs(out_rows: int) -> dict:
 
 def _receive_phase(rank, layout, out, *, full=True, expand=False, out_rows=1, tail=False,
                    capacity=2**31 - 1):
-    return dispatch.receive_phase(rank.hist, rank.gaps, layout, full=full, max_tokens=S,
+    return dispatch.receive_phase(rank.hist, layout, full=full, max_tokens=S,
                                   num_local=4, alignment=2, capacity=capacity, out_rows=out_rows,
                                   expand=expand, zero_padding=True, tail=tail, weights_out=None,
                                   **out)
@@ -282,7 +282,7 @@ def test_untyped_arguments_only_for_a_kept_variant():
                                _t([[0, 3], [-1, -1]], i64), 4, None, [x], layout,
                                slots.data_ptr(), typed=False)
     receive = dispatch.receive_phase(
-        rank.hist.data_ptr(), rank.gaps.data_ptr(), layout, full=True, max_tokens=S, num_local=4,
+        rank.hist.data_ptr(), layout, full=True, max_tokens=S, num_local=4,
         alignment=2, capacity=2**31 - 1, out_rows=1, expand=False, zero_padding=True,
         tail=False, weights_out=None, idx_out=out["idx_out"],
         metadata=out["metadata"].data_ptr(), rank_psum=out["rank_psum"].data_ptr(),

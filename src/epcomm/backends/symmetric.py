@@ -210,8 +210,6 @@ class SymmetricBackend(Backend):
         self._sync = torch.zeros(8, dtype=torch.int64, device=dev)
         self._counts_scratch = torch.zeros(programs * self.shape.block_r, dtype=i32, device=dev)
         self._pos_scratch = torch.zeros(S * R, dtype=i32, device=dev)
-        self._gap_scratch = torch.zeros(
-            programs * dispatch_kernels.GAP_SCRATCH_PER_PROGRAM, dtype=i32, device=dev)
         self._hist_scratch = torch.zeros(0, dtype=i32, device=dev)
         self._layouts: dict = {}  # payload words -> (RecordLayout, its dispatch Launcher)
         self._combine_launcher = combine_kernels.launcher(self.combine_shape)
@@ -235,7 +233,9 @@ class SymmetricBackend(Backend):
     def _hist(self, num_local: int, stream=None) -> torch.Tensor:
         """The receive part's scratch for `num_local` experts, grown (zeroed on `stream`,
         the one the kernel runs on) when too small."""
-        need = 2 * self.num_sms * num_local  # histogram rows, then next-row rows
+        need = dispatch_kernels.hist_scratch_words(
+            self.num_sms, self.shape.rows, self.num_ranks * self.stride_tokens, num_local,
+            self.num_topk)
         if self._hist_scratch.numel() < need:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._hist_scratch = torch.zeros(need, dtype=torch.int32, device=self.device)
@@ -272,7 +272,7 @@ class SymmetricBackend(Backend):
                 dispatch_kernels.run(
                     self.shape, dispatch, layout, sync, error, self.timeout, send,
                     dispatch_kernels.receive_phase(
-                        self._hist(1), self._gap_scratch, layout, full=full, max_tokens=1,
+                        self._hist(1), layout, full=full, max_tokens=1,
                         num_local=1, alignment=1, capacity=0, out_rows=0, expand=False,
                         zero_padding=False, tail=False, idx_out=idx if full else None,
                         weights_out=None, metadata=meta, rank_psum=info[0],
@@ -329,12 +329,11 @@ class SymmetricBackend(Backend):
         return layout
 
     def _scratch(self, typed: bool) -> tuple:
-        """(sync, error flag, counts, positions, gaps) kernel arguments: the tensors, or their
+        """(sync, error flag, counts, positions) kernel arguments: the tensors, or their
         addresses for untyped launches."""
         if not typed:
             return self._scratch_addresses
-        return (self._sync, self._flags, self._counts_scratch, self._pos_scratch,
-                self._gap_scratch)
+        return self._sync, self._flags, self._counts_scratch, self._pos_scratch
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         R, M, K = self.num_ranks, request.num_max_tokens_per_rank, self.num_topk
@@ -366,7 +365,7 @@ class SymmetricBackend(Backend):
         if num_rows is None:
             count_variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32)
             typed = typed or not launcher.kept(count_variant)
-        sync_t, error, counts, positions, gaps = self._scratch(typed)
+        sync_t, error, counts, positions = self._scratch(typed)
         hist = self._hist(num_local, stream)
         if not typed:
             hist = hist.data_ptr()
@@ -386,7 +385,7 @@ class SymmetricBackend(Backend):
             # Send and count in one launch, size the outputs on the host, then receive.
             dispatch_kernels.run(**run, variant=count_variant,
                                  receive=dispatch_kernels.receive_phase(
-                hist, gaps, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
+                hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
                 zero_padding=False, tail=False, idx_out=None, weights_out=None,
                 metadata=block.arg("slots", typed), rows_out=[], **receive))
             num_rows = block["psum_num_recv_tokens_per_scaleup_rank"][-1].item()  # the host sync
@@ -407,7 +406,7 @@ class SymmetricBackend(Backend):
         local_idx = None if expand else alloc.empty((num_rows, K), topk_idx.dtype)
         dispatch_kernels.run(**run, do_send=not sent, variant=variant,
                              receive=dispatch_kernels.receive_phase(
-            hist, gaps, layout, full=True, capacity=capacity, out_rows=num_rows,
+            hist, layout, full=True, capacity=capacity, out_rows=num_rows,
             zero_padding=request.do_zero_padding, tail=not sync, idx_out=local_idx,
             weights_out=recv_weights, metadata=block.arg("recv_src_metadata", typed),
             rows_out=recv_rows, **receive))

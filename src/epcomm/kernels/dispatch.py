@@ -23,11 +23,15 @@ Send part (P programs, the tokens split into P contiguous chunks):
 Receive part (the same P programs, the received rows split into P chunks):
 1. wait until every source's ready counter reaches `call * P`, read the counts;
 2. per compact row (source-major, then position): local ids, weights, source metadata and, in the
-   compact layout, the payload; a per-program histogram of local expert ids;
-3. grid barrier; each program's first expand row per expert = the expert's aligned start plus
-   the earlier programs' counts, so pairs land in (row, slot) order;
-4. expand rows of every pair into the metadata; in the expand layout the payload and weights go
-   to those rows; sync-free tails and alignment gaps get -1 / 0 (payload 0 with zero padding);
+   compact layout, the payload; per tile of rows, its pairs per local expert (atomics into the
+   tile's counts) and each pair's rank among the tile's earlier pairs of its expert, by
+   comparing the tile's pairs all with all (into a scratch);
+3. grid barrier; each program turns the tile counts of its share of the experts into
+   exclusive prefixes over the tiles, and totals; grid barrier; every expert's aligned start;
+4. expand row of every pair = its expert's start + the expert's pairs in earlier tiles + its
+   rank in the tile ((row, slot) order, deterministic; no row depends on another); in the
+   expand layout the payload and weights go to those rows; sync-free tails and alignment gaps
+   get -1 / 0 (payload 0 with zero padding);
 5. every program adds 1 to each source's free counter (release: its reads are done).
 
 `full=0` stops the receive part after the per-expert counts (the sync mode sizes its outputs from
@@ -45,6 +49,7 @@ import triton.language as tl
 
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      program_chunk, running_total, sum_along, total, word_ptrs)
+from . import INTERPRET
 from .launcher import KernelShape, Launcher, Stage, aligned, next_power_of_2
 from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE_OVERFLOW,
                    add_counters, await_counters, grid_barrier, own_counters, peer_counters)
@@ -303,14 +308,14 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
 
 @triton.jit
 def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                  record_words, sync_ptr, call, barrier_slot, hist_ptr, gap_ptr, max_tokens,
+                  record_words, sync_ptr, call, barrier_slot, hist_ptr, max_tokens,
                   num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, ROWS: tl.constexpr,
-                  VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
+                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
+                  ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
+                  USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -337,13 +342,25 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         tl.store(rank_psum_out + rr, psum, mask=rmask)
     begin, end = program_chunk(num_rows)
 
-    # 2. Per compact row: ids, weights, source metadata, compact payload; this program's pairs
-    # per local expert into its own histogram row (zeroed first).
-    hist_row = hist_ptr + pid * num_local
-    next_rows = hist_ptr + (num_programs + pid) * num_local  # filled in step 3
-    for e0 in range(0, num_local, BLOCK_E):
-        tl.store(hist_row + e0 + ee, tl.full([BLOCK_E], 0, tl.int32), mask=e0 + ee < num_local)
+    # 2. Per compact row: ids, weights, source metadata (local expert ids in the expand-row
+    # slots for now), compact payload. Per tile of ROWS rows (program p's i-th tile is tile
+    # p * tiles_per_program + i, so tiles follow the rows): its pairs per local expert (tile
+    # counts, expert-major [E_l, num_tiles], zeroed first), and each pair's rank among the
+    # tile's earlier pairs of its expert in (row, slot) order.
+    chunk = (num_rows + num_programs - 1) // num_programs
+    tiles_per_program = (chunk + ROWS - 1) // ROWS
+    num_tiles = num_programs * tiles_per_program
+    first_tile = pid * tiles_per_program
+    first_rows = hist_ptr + pid * num_local  # this program's row of [P, E_l], filled in step 3
+    tile_counts = hist_ptr + num_programs * num_local
+    pair_ranks = tile_counts + num_local * num_tiles  # [rows, K]
+    for tile in range(first_tile, first_tile + tiles_per_program):
+        for e0 in range(0, num_local, BLOCK_E):
+            tl.store(tile_counts + (e0 + ee) * num_tiles + tile,
+                     tl.full([BLOCK_E], 0, tl.int32), mask=e0 + ee < num_local)
     tl.debug_barrier()
+    pp = tl.arange(0, ROWS * BLOCK_K)
+    earlier = pp[None, :] < pp[:, None]
     for r0 in range(begin, end, ROWS):
         rows = r0 + tl.arange(0, ROWS)
         nmask = rows < end
@@ -351,19 +368,26 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
                                    rows, psum, counts, rr)
         keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
-        tl.atomic_add(hist_row + keys, 1, mask=keys >= 0, sem="relaxed", scope="gpu")
+        tile = first_tile + (r0 - begin) // ROWS
+        tl.atomic_add(tile_counts + keys * num_tiles + tile, 1, mask=keys >= 0, sem="relaxed",
+                      scope="gpu")
         if full != 0:
             hmask = nmask[:, None] & kmask[None, :]
+            token = tl.load(i32_ptr(rec), mask=nmask)
+            weights = tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
+                              mask=flag_mask(hmask, has_w * (1 - expand)))
+            flat = tl.reshape(keys, [ROWS * BLOCK_K])
+            in_tile = sum_along((earlier & (flat[None, :] == flat[:, None])).to(tl.int32), 1)
+            tl.store(pair_ranks + (r0 + pp // BLOCK_K).to(tl.int64) * K + pp % BLOCK_K, in_tile,
+                     mask=flat >= 0)
             meta = meta_out + n64 * (K + 2)
-            tl.store(meta, source * max_tokens + tl.load(i32_ptr(rec), mask=nmask), mask=nmask)
+            tl.store(meta, source * max_tokens + token, mask=nmask)
             tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
-            tl.store(meta[:, None] + 2 + kk[None, :], tl.full([ROWS, BLOCK_K], -1, tl.int32),
-                     mask=hmask & (keys < 0))
+            tl.store(meta[:, None] + 2 + kk[None, :], keys, mask=hmask)
             if expand == 0:
                 tl.store(idx_out + n64[:, None] * K + kk[None, :],
                          keys.to(idx_out.dtype.element_ty), mask=hmask)
-                tl.store(w_out + n64[:, None] * K + kk[None, :],
-                         tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :], mask=hmask),
+                tl.store(w_out + n64[:, None] * K + kk[None, :], weights,
                          mask=flag_mask(hmask, has_w))
                 copy_rows(word_ptrs(rec + off0 * 4, VEC),
                           word_ptrs(p0_out + tl.multiple_of(n64 * w0, VEC), VEC), nmask, w0,
@@ -373,70 +397,68 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                           VEC, BLOCK_W)
     grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
-    # 3. Per-expert totals (BLOCK_E experts at a time, so E_l never recompiles) and this
-    # program's first expand row per expert; alignment gaps of the experts e % P == pid.
+    # 3. Each program owns a contiguous share of the experts: for each, the tile counts become
+    # exclusive prefixes over the tiles (in place) and the total goes to the per-expert counts.
+    own_begin, own_end = program_chunk(num_local)
+    tt = tl.arange(0, BLOCK_T)
+    for e in range(own_begin, own_end):
+        column = tile_counts + e * num_tiles
+        carry = tl.full([], 0, tl.int32)
+        for t0 in range(0, num_tiles, BLOCK_T):
+            tmask = t0 + tt < num_tiles
+            per_tile = tl.load(column + t0 + tt, mask=tmask, other=0, cache_modifier=".cg")
+            tl.store(column + t0 + tt, carry + running_total(per_tile) - per_tile, mask=tmask)
+            carry += total(per_tile)
+        tl.store(expert_count_out + e, carry)
+    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
+    # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned first
+    # row, and the alignment gaps of the experts e % P == pid.
     carry = tl.full([], 0, tl.int32)
     for e0 in range(0, num_local, BLOCK_E):
         emask = e0 + ee < num_local
-        pp = tl.arange(0, BLOCK_P)
-        hist = tl.load(hist_ptr + pp[:, None] * num_local + e0 + ee[None, :],
-                       mask=(pp < num_programs)[:, None] & emask[None, :], other=0,
-                       cache_modifier=".cg")
-        before = total(tl.where((pp < pid)[:, None], hist, 0))
-        pairs = total(hist)
+        pairs = tl.load(expert_count_out + e0 + ee, mask=emask, other=0, cache_modifier=".cg")
         aligned = (pairs + alignment - 1) // alignment * alignment
         inclusive = carry + running_total(aligned)
         starts = inclusive - aligned
         carry += total(aligned)
         if pid == 0:
-            tl.store(expert_count_out + e0 + ee, pairs, mask=emask)
             tl.store(expert_psum_out + e0 + ee, tl.where(expand != 0, starts + pairs, inclusive),
                      mask=emask)
         if full != 0:
-            tl.store(next_rows + e0 + ee, starts + before, mask=emask)
+            tl.store(first_rows + e0 + ee, starts, mask=emask)
             if expand != 0:
-                # Weights 0 and, with zero padding, payload 0 in the gaps; walked one expert at
-                # a time through a private scratch row.
-                gaps = gap_ptr + pid * 2 * BLOCK_E
-                tl.store(gaps + ee, starts + pairs)
-                tl.store(gaps + BLOCK_E + ee,
-                         tl.where(emask & ((e0 + ee) % num_programs == pid), aligned - pairs, 0))
-                tl.debug_barrier()
-                for i in range(0, BLOCK_E):
-                    gap_begin = tl.load(gaps + i)
-                    gap_end = gap_begin + tl.load(gaps + BLOCK_E + i)
+                # Weights 0 and, with zero padding, payload 0 in the gaps.
+                first = e0 + (pid - e0 % num_programs + num_programs) % num_programs
+                for e in range(first, tl.minimum(e0 + BLOCK_E, num_local), num_programs):
+                    at = ee == e - e0
+                    gap_begin = total(tl.where(at, starts + pairs, 0))
+                    gap_end = gap_begin + total(tl.where(at, aligned - pairs, 0))
                     if has_w != 0:
                         _zero_rows(w_out, gap_begin, gap_end, 1, 1, ROWS, 16)
                     if zero_padding != 0:
                         _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
                         _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
-                tl.debug_barrier()
 
-    # 4. Expand row of every pair: the expert's next row, then the pair's rank among the
-    # tile's pairs of that expert in (row, slot) order; the next rows move past the tile.
+    # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
+    # tiles, plus its rank in the tile. Tiles are independent.
     overflow = tl.full([], 0, tl.int32)
     if full != 0:
         tl.debug_barrier()
-        pp = tl.arange(0, ROWS * BLOCK_K)
-        earlier = pp[None, :] < pp[:, None]
         for r0 in range(begin, end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
-            nmask = rows < end
-            source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
-                                       record_words, rows, psum, counts, rr)
-            keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
-            flat = tl.reshape(keys, [ROWS * BLOCK_K])
-            rank_in_tile = sum_along((earlier & (flat[None, :] == flat[:, None])
-                                      & (flat[None, :] >= 0)).to(tl.int32), 1)
-            first = tl.load(next_rows + flat, mask=flat >= 0, other=0, cache_modifier=".cg")
-            target = tl.reshape(first + rank_in_tile, [ROWS, BLOCK_K])
-            tl.debug_barrier()  # every pair read its expert's next row before any moves on
-            tl.atomic_add(next_rows + keys, 1, mask=keys >= 0, sem="relaxed", scope="gpu")
+            n64 = rows.to(tl.int64)
+            hmask = (rows < end)[:, None] & kmask[None, :]
+            slots = meta_out + n64[:, None] * (K + 2) + 2 + kk[None, :]
+            keys = tl.load(slots, mask=hmask, other=-1)
+            valid = keys >= 0
+            tile = first_tile + (r0 - begin) // ROWS
+            target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
+                + tl.load(tile_counts + keys * num_tiles + tile, mask=valid, other=0,
+                          cache_modifier=".cg") \
+                + tl.load(pair_ranks + n64[:, None] * K + kk[None, :], mask=valid, other=0)
             fits = target < capacity
-            overflow += total(total(((keys >= 0) & ~fits).to(tl.int32)))
-            tl.store(meta_out + rows.to(tl.int64)[:, None] * (K + 2) + 2 + kk[None, :],
-                     tl.where(fits, target, -1), mask=keys >= 0)
-            tl.debug_barrier()
+            overflow += total(total((valid & ~fits).to(tl.int32)))
+            tl.store(slots, tl.where(fits, target, -1), mask=valid)
     if overflow > 0:
         tl.atomic_or(error_ptr, EXPAND_OVERFLOW)
 
@@ -487,13 +509,13 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     record_words, sync_ptr, error_ptr, timeout, do_send, do_receive,
                     counts_scratch, pos_scratch, idx_ptr, num_tokens, num_experts, idx_copy,
                     copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out,
-                    barrier_slot, hist_ptr, gap_ptr, max_tokens, num_local, alignment, capacity,
+                    barrier_slot, hist_ptr, max_tokens, num_local, alignment, capacity,
                     out_rows, full, expand, zero_padding, tail, idx_out, w_out, has_w_out,
                     meta_out, rank_psum_out, expert_count_out, expert_psum_out, q0_out, v0, o0,
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                    ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
-                    USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
+                    BLOCK_T: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
+                    BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
@@ -508,11 +530,12 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
     call = tl.load(sync_ptr + 0, volatile=True) // tl.num_programs(0)
     if do_receive != 0:
         _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                      record_words, sync_ptr, call, barrier_slot, hist_ptr, gap_ptr, max_tokens,
+                      record_words, sync_ptr, call, barrier_slot, hist_ptr, max_tokens,
                       num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                       idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
                       expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout, K,
-                      BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
+                      BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, ROWS, VEC, BLOCK_W, USE_TIMER,
+                      BLOCK_P)
 
 
 def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
@@ -528,7 +551,7 @@ def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
 def launcher(shape: KernelShape, layout: RecordLayout) -> Launcher:
     """The `Launcher` of `dispatch_kernel` for records of `layout`."""
     return shape.launcher(dispatch_kernel, BLOCK_M=next_power_of_2(layout.num_topk + 2),
-                          BLOCK_E=_BLOCK_E)
+                          BLOCK_E=_BLOCK_E, BLOCK_T=_BLOCK_T)
 
 
 def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
@@ -557,11 +580,24 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
             slot_out)
 
 
-_BLOCK_E = 64  # experts per step of the receive-side histogram and scan
-GAP_SCRATCH_PER_PROGRAM = 2 * _BLOCK_E  # int32: one chunk's gap starts and lengths
+# Experts per step of the receive-side scan (E_l <= 256 takes one step on the GPU) and tiles
+# per step of an expert's prefix over the tiles (DeepSeek-V3 at EP=1: 132 programs x 2 tiles).
+# Small under the interpreter, whose scans cost about 80 us per element.
+_BLOCK_E = 16 if INTERPRET else 256
+_BLOCK_T = 16 if INTERPRET else 1024
 
 
-def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: int,
+def hist_scratch_words(programs: int, rows: int, max_rows: int, num_local: int,
+                       num_topk: int) -> int:
+    """int32 words of the receive part's scratch for P `programs`, tiles of `rows` rows, up to
+    `max_rows` received rows and `num_local` experts: a first-row row per program, the tile
+    counts of every expert, then a rank per (row, slot) pair."""
+    chunk = -(-max_rows // programs)  # rows per program, rounded up
+    tiles = programs * -(-chunk // rows)
+    return num_local * (programs + tiles) + max_rows * num_topk
+
+
+def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
                   num_local: int, alignment: int, capacity: int, out_rows: int, expand: bool,
                   zero_padding: bool, tail: bool, idx_out, weights_out, metadata, rank_psum,
                   expert_counts, expert_psum, rows_out, typed: bool = True) -> tuple:
@@ -574,8 +610,9 @@ def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: 
     exist (pairs past it are dropped and flagged). `tail`: rows past the received prefix get
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
     num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
-    (`full=False`) passes a bound it cannot reach. hist_scratch: int32 [2 * P * E_l];
-    gap_scratch: int32 [P * GAP_SCRATCH_PER_PROGRAM]. `typed` as in `send_phase`.
+    (`full=False`) passes a bound it cannot reach. hist_scratch: int32
+    [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. `typed` as in
+    `send_phase`.
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send_phase` example):
     rank_psum = [1], expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4],
@@ -584,7 +621,7 @@ def receive_phase(hist_scratch, gap_scratch, layout, *, full: bool, max_tokens: 
     w_dummy = metadata if weights_out is None else \
         weights_out.view(torch.int32) if typed else weights_out
     payload = rows_out if rows_out else [metadata]
-    return (SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, gap_scratch, max_tokens,
+    return (SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, max_tokens,
             num_local, alignment, capacity, out_rows, int(full), int(expand), int(zero_padding),
             int(tail), metadata if idx_out is None else idx_out, w_dummy,
             int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
