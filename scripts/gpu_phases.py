@@ -12,7 +12,6 @@ The product kernel has no tracing: this costs it nothing.
 """
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import inspect
 import statistics
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from epcomm.launch import run_local_ranks
+from gpu_tune import example_data, shape_parser
 
 # (mark, anchor text, "before" or "after" the first line containing it, searched in order).
 MARKS = [
@@ -86,11 +86,7 @@ def phases(tokens, hidden, topk, experts, expand):
     programs = torch.cuda.get_device_properties(device).multi_processor_count
     trace = torch.zeros(programs * SLOTS, dtype=torch.int64, device=device)
     dispatch.dispatch_kernel = traced_module(trace).dispatch_kernel
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(device)
-    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk]
-                       for _ in range(tokens)]).to(device)
-    w = torch.rand(tokens, topk, generator=gen).to(device)
+    x, idx, w = example_data(tokens, hidden, topk, experts, device)
     buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
     results = []
     for _ in range(5):
@@ -112,11 +108,7 @@ def phases(tokens, hidden, topk, experts, expand):
 
 
 def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--hidden", type=int, default=7168)
-    parser.add_argument("--topk", type=int, default=8)
-    parser.add_argument("--experts", type=int, default=256)
+    parser = shape_parser()
     parser.add_argument("--expand", action="store_true")
     args = parser.parse_args()
     programs, results = run_local_ranks(phases, 1, args.tokens, args.hidden, args.topk,

@@ -42,7 +42,8 @@ CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
 ]
 
 
-def _data(tokens, hidden, topk, experts, device):
+def example_data(tokens, hidden, topk, experts, device):
+    """x, topk_idx (distinct experts per token) and weights of a fixed seed on `device`."""
     gen = torch.Generator(device="cpu").manual_seed(5)
     x = torch.randn(tokens, hidden, generator=gen).bfloat16().to(device)
     idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
@@ -76,7 +77,7 @@ def tiles(tokens, hidden, topk, experts, current_only=False):
     from epcomm.backends import symmetric
     from epcomm.buffer import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
-    x, idx, w = _data(tokens, hidden, topk, experts, device)
+    x, idx, w = example_data(tokens, hidden, topk, experts, device)
     names = ("dispatch_kernel", "combine_kernel")
     rows = []
     candidates = [tuple(symmetric._GPU_TILE[k] for k in (
@@ -117,7 +118,7 @@ def host(tokens, hidden, topk, experts):
     from epcomm.buffer import Buffer
 
     device = torch.device("cuda", torch.cuda.current_device())
-    x, idx, w = _data(tokens, hidden, topk, experts, device)
+    x, idx, w = example_data(tokens, hidden, topk, experts, device)
     buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
     stream = torch.cuda.Stream()
     tensors = [torch.empty(16, device=device) for _ in range(14)]
@@ -242,12 +243,18 @@ def _breakdown(call, iters: int = 10) -> str:
     return "\n".join(lines)
 
 
-def main():
+def shape_parser() -> argparse.ArgumentParser:
+    """A parser with the EP=1 shape options (DeepSeek-V3 defaults)."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--hidden", type=int, default=7168)
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
+    return parser
+
+
+def main():
+    parser = shape_parser()
     parser.add_argument("--host", action="store_true")
     parser.add_argument("--no-tiles", action="store_true")
     parser.add_argument("--current", action="store_true",

@@ -34,3 +34,35 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
             assert int(re.search(r"v4 accesses (\d+)", line).group(1)) > 0, line
             # ... and fits in registers with one program per SM (what the grid barriers need)
             assert " 0 spill bytes" in line and "0 program(s)" not in line, line
+
+
+TRACED = """
+import sys
+import torch
+sys.path.insert(0, sys.argv[1])
+import compile_sm90, gpu_phases
+kernel = gpu_phases.traced_module(torch.zeros(16, dtype=torch.int64)).dispatch_kernel
+compile_sm90.POINTERS[kernel] = compile_sm90.POINTERS[compile_sm90.dispatch.dispatch_kernel]
+def timer_reads(fn):
+    return compile_sm90.compile_kernel(fn, compile_sm90.SHAPES["test"]).asm["ptx"].count(
+        "%globaltimer")
+print(timer_reads(kernel) - timer_reads(compile_sm90.dispatch.dispatch_kernel),
+      len(gpu_phases.MARKS))
+"""
+
+
+def test_phase_trace_finds_every_mark_and_compiles():
+    """`scripts/gpu_phases.py` inserts its time stamps by the text of the dispatch kernel's
+    lines: an edit of the kernel that loses an anchor, or a stamp that does not compile, fails
+    here rather than on the GPU machine."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"Triton's NVIDIA backend is not installed: {error}")
+    env = dict(os.environ, TRITON_INTERPRET="0",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", TRACED, str(ROOT / "scripts")], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    stamps, marks = map(int, run.stdout.split()[-2:])
+    assert stamps == marks  # one timer read per mark beyond the kernel's own (timeouts)
