@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import linecache
 import statistics
 import sys
 
@@ -71,7 +72,6 @@ def traced_module(trace: torch.Tensor):
     module.__file__ = dispatch.__file__.replace("dispatch.py", "_traced_dispatch.py")
     sys.modules[name] = module
     # Triton reads a jit function's source through inspect: give it the traced text.
-    import linecache
     linecache.cache[module.__file__] = (len(source), None, source.splitlines(True),
                                         module.__file__)
     exec(compile(source, module.__file__, "exec"), module.__dict__)

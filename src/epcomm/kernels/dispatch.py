@@ -47,9 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import INTERPRET
 from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max_along,
                      program_chunk, running_total, sum_along, total, word_ptrs)
-from . import INTERPRET
 from .launcher import KernelShape, Launcher, Stage, aligned, next_power_of_2
 from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE_OVERFLOW,
                    add_counters, await_counters, grid_barrier, own_counters, peer_counters)
