@@ -23,13 +23,13 @@ Send part (P programs, the tokens split into P contiguous chunks):
 Receive part (the same P programs, the received rows split into P chunks):
 1. wait until every source's ready counter reaches `call * P`, read the counts;
 2. per compact row (source-major, then position): local ids, weights, source metadata and, in the
-   compact layout, the payload; per tile of rows, its pairs per local expert (atomics into the
-   tile's counts) and each pair's rank among the tile's earlier pairs of its expert, by
-   comparing the tile's pairs all with all (into a scratch);
-3. grid barrier; each program turns the tile counts of its share of the experts into
-   exclusive prefixes over the tiles, and totals; grid barrier; every expert's aligned start;
-4. expand row of every pair = its expert's start + the expert's pairs in earlier tiles + its
-   rank in the tile ((row, slot) order, deterministic; no row depends on another); in the
+   compact layout, the payload; per group of a few rows, its pairs per local expert (atomics
+   into the group's counts) and each pair's rank among the group's earlier pairs of its
+   expert, by comparing the group's pairs all with all (into a scratch);
+3. grid barrier; each program turns the group counts of its share of the experts into
+   exclusive prefixes over the groups, and totals; grid barrier; every expert's aligned start;
+4. expand row of every pair = its expert's start + the expert's pairs in earlier groups + its
+   rank in the group ((row, slot) order, deterministic; no row depends on another); in the
    expand layout the payload and weights go to those rows; sync-free tails and alignment gaps
    get -1 / 0 (payload 0 with zero padding);
 5. every program adds 1 to each source's free counter (release: its reads are done).
@@ -314,7 +314,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                  ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
+                  GROUP: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
                   USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -343,24 +343,28 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
     begin, end = program_chunk(num_rows)
 
     # 2. Per compact row: ids, weights, source metadata (local expert ids in the expand-row
-    # slots for now), compact payload. Per tile of ROWS rows (program p's i-th tile is tile
-    # p * tiles_per_program + i, so tiles follow the rows): its pairs per local expert (tile
-    # counts, expert-major [E_l, num_tiles], zeroed first), and each pair's rank among the
-    # tile's earlier pairs of its expert in (row, slot) order.
+    # slots for now), compact payload. Per group of GROUP rows (program p's i-th group is
+    # group p * groups_per_program + i, so groups follow the rows): its pairs per local expert
+    # (group counts, expert-major [E_l, num_groups], zeroed first), and each pair's rank among
+    # the group's earlier pairs of its expert in (row, slot) order (a comparison of every two
+    # pairs of the group: small groups keep it cheap).
     chunk = (num_rows + num_programs - 1) // num_programs
-    tiles_per_program = (chunk + ROWS - 1) // ROWS
-    num_tiles = num_programs * tiles_per_program
-    first_tile = pid * tiles_per_program
+    groups_per_program = (chunk + GROUP - 1) // GROUP
+    num_groups = num_programs * groups_per_program
+    first_group = pid * groups_per_program
     first_rows = hist_ptr + pid * num_local  # this program's row of [P, E_l], filled in step 3
-    tile_counts = hist_ptr + num_programs * num_local
-    pair_ranks = tile_counts + num_local * num_tiles  # [rows, K]
-    for tile in range(first_tile, first_tile + tiles_per_program):
+    group_counts = hist_ptr + num_programs * num_local
+    pair_ranks = group_counts + num_local * num_groups  # [rows, K]
+    for group in range(first_group, first_group + groups_per_program):
         for e0 in range(0, num_local, BLOCK_E):
-            tl.store(tile_counts + (e0 + ee) * num_tiles + tile,
+            tl.store(group_counts + (e0 + ee) * num_groups + group,
                      tl.full([BLOCK_E], 0, tl.int32), mask=e0 + ee < num_local)
     tl.debug_barrier()
-    pp = tl.arange(0, ROWS * BLOCK_K)
-    earlier = pp[None, :] < pp[:, None]
+    GROUPS: tl.constexpr = ROWS // GROUP  # groups per tile
+    PAIRS: tl.constexpr = GROUP * BLOCK_K  # pair slots per group
+    gg = tl.arange(0, GROUPS)
+    qq = tl.arange(0, PAIRS)
+    earlier = qq[None, :] < qq[:, None]
     for r0 in range(begin, end, ROWS):
         rows = r0 + tl.arange(0, ROWS)
         nmask = rows < end
@@ -368,18 +372,20 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
                                    rows, psum, counts, rr)
         keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
-        tile = first_tile + (r0 - begin) // ROWS
-        tl.atomic_add(tile_counts + keys * num_tiles + tile, 1, mask=keys >= 0, sem="relaxed",
-                      scope="gpu")
+        row_group = first_group + (rows - begin) // GROUP
+        tl.atomic_add(group_counts + keys * num_groups + row_group[:, None], 1, mask=keys >= 0,
+                      sem="relaxed", scope="gpu")
         if full != 0:
             hmask = nmask[:, None] & kmask[None, :]
             token = tl.load(i32_ptr(rec), mask=nmask)
             weights = tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
                               mask=flag_mask(hmask, has_w * (1 - expand)))
-            flat = tl.reshape(keys, [ROWS * BLOCK_K])
-            in_tile = sum_along((earlier & (flat[None, :] == flat[:, None])).to(tl.int32), 1)
-            tl.store(pair_ranks + (r0 + pp // BLOCK_K).to(tl.int64) * K + pp % BLOCK_K, in_tile,
-                     mask=flat >= 0)
+            grouped = tl.reshape(keys, [GROUPS, PAIRS])
+            in_group = sum_along((earlier[None, :, :]
+                                  & (grouped[:, None, :] == grouped[:, :, None])).to(tl.int32), 2)
+            pair_rows = (r0 + gg[:, None] * GROUP + qq[None, :] // BLOCK_K).to(tl.int64)
+            tl.store(pair_ranks + pair_rows * K + qq[None, :] % BLOCK_K, in_group,
+                     mask=grouped >= 0)
             meta = meta_out + n64 * (K + 2)
             tl.store(meta, source * max_tokens + token, mask=nmask)
             tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
@@ -397,18 +403,19 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                           VEC, BLOCK_W)
     grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
-    # 3. Each program owns a contiguous share of the experts: for each, the tile counts become
-    # exclusive prefixes over the tiles (in place) and the total goes to the per-expert counts.
+    # 3. Each program owns a contiguous share of the experts: for each, the group counts
+    # become exclusive prefixes over the groups (in place) and the total goes to the
+    # per-expert counts.
     own_begin, own_end = program_chunk(num_local)
     tt = tl.arange(0, BLOCK_T)
     for e in range(own_begin, own_end):
-        column = tile_counts + e * num_tiles
+        column = group_counts + e * num_groups
         carry = tl.full([], 0, tl.int32)
-        for t0 in range(0, num_tiles, BLOCK_T):
-            tmask = t0 + tt < num_tiles
-            per_tile = tl.load(column + t0 + tt, mask=tmask, other=0, cache_modifier=".cg")
-            tl.store(column + t0 + tt, carry + running_total(per_tile) - per_tile, mask=tmask)
-            carry += total(per_tile)
+        for t0 in range(0, num_groups, BLOCK_T):
+            tmask = t0 + tt < num_groups
+            per_group = tl.load(column + t0 + tt, mask=tmask, other=0, cache_modifier=".cg")
+            tl.store(column + t0 + tt, carry + running_total(per_group) - per_group, mask=tmask)
+            carry += total(per_group)
         tl.store(expert_count_out + e, carry)
     grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
     # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned first
@@ -440,7 +447,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                         _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
 
     # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
-    # tiles, plus its rank in the tile. Tiles are independent.
+    # groups, plus its rank in the group. Tiles are independent.
     overflow = tl.full([], 0, tl.int32)
     if full != 0:
         tl.debug_barrier()
@@ -451,10 +458,10 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
             slots = meta_out + n64[:, None] * (K + 2) + 2 + kk[None, :]
             keys = tl.load(slots, mask=hmask, other=-1)
             valid = keys >= 0
-            tile = first_tile + (r0 - begin) // ROWS
+            row_group = first_group + (rows - begin) // GROUP
             target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
-                + tl.load(tile_counts + keys * num_tiles + tile, mask=valid, other=0,
-                          cache_modifier=".cg") \
+                + tl.load(group_counts + keys * num_groups + row_group[:, None], mask=valid,
+                          other=0, cache_modifier=".cg") \
                 + tl.load(pair_ranks + n64[:, None] * K + kk[None, :], mask=valid, other=0)
             fits = target < capacity
             overflow += total(total((valid & ~fits).to(tl.int32)))
@@ -514,8 +521,9 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     meta_out, rank_psum_out, expert_count_out, expert_psum_out, q0_out, v0, o0,
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_T: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
-                    BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
+                    BLOCK_T: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                    VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
@@ -534,8 +542,8 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                       idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
                       expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout, K,
-                      BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, ROWS, VEC, BLOCK_W, USE_TIMER,
-                      BLOCK_P)
+                      BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, GROUP, ROWS, VEC, BLOCK_W,
+                      USE_TIMER, BLOCK_P)
 
 
 def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
@@ -551,7 +559,7 @@ def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
 def launcher(shape: KernelShape, layout: RecordLayout) -> Launcher:
     """The `Launcher` of `dispatch_kernel` for records of `layout`."""
     return shape.launcher(dispatch_kernel, BLOCK_M=next_power_of_2(layout.num_topk + 2),
-                          BLOCK_E=_BLOCK_E, BLOCK_T=_BLOCK_T)
+                          BLOCK_E=_BLOCK_E, BLOCK_T=_BLOCK_T, GROUP=rank_group(shape.rows))
 
 
 def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
@@ -580,21 +588,29 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
             slot_out)
 
 
-# Experts per step of the receive-side scan (E_l <= 256 takes one step on the GPU) and tiles
-# per step of an expert's prefix over the tiles (DeepSeek-V3 at EP=1: 132 programs x 2 tiles).
-# Small under the interpreter, whose scans cost about 80 us per element.
+# Experts per step of the receive-side scan (E_l <= 256 takes one step on the GPU) and groups
+# per step of an expert's prefix over the groups (DeepSeek-V3 at EP=1: 132 programs x 8 groups
+# of 4 rows). Small under the interpreter, whose scans cost about 80 us per element.
 _BLOCK_E = 16 if INTERPRET else 256
-_BLOCK_T = 16 if INTERPRET else 1024
+_BLOCK_T = 16 if INTERPRET else 2048
+# Rows per rank group: the group's K * rows pairs are compared all with all, so the cost per
+# row grows with the group (the interpreter runs two groups per tile, as the GPU does four).
+_RANK_ROWS = 2 if INTERPRET else 4
+
+
+def rank_group(rows: int) -> int:
+    """Rows per rank group of the receive part (it divides the tile's `rows`)."""
+    return min(rows, _RANK_ROWS)
 
 
 def hist_scratch_words(programs: int, rows: int, max_rows: int, num_local: int,
                        num_topk: int) -> int:
     """int32 words of the receive part's scratch for P `programs`, tiles of `rows` rows, up to
-    `max_rows` received rows and `num_local` experts: a first-row row per program, the tile
+    `max_rows` received rows and `num_local` experts: a first-row row per program, the group
     counts of every expert, then a rank per (row, slot) pair."""
     chunk = -(-max_rows // programs)  # rows per program, rounded up
-    tiles = programs * -(-chunk // rows)
-    return num_local * (programs + tiles) + max_rows * num_topk
+    groups = programs * -(-chunk // rank_group(rows))
+    return num_local * (programs + groups) + max_rows * num_topk
 
 
 def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
