@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
 
@@ -57,42 +58,67 @@ def _data(rank, tokens, hidden, topk, experts, fp8, seed, device):
     return (tuple(map(move, x)) if fp8 else move(x)), move(idx), move(weights)
 
 
+HANDLE_FIELDS = ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank",
+                 "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert")
+
+
 def _valid_rows(handle):
+    """Indices of the dispatch output rows that carry a token (on the handle's device)."""
     if handle.do_expand:
-        keep = torch.zeros(handle.num_expanded_tokens, dtype=torch.bool, device="cpu")
-        rows = handle.recv_src_metadata[:, 2:].flatten().long().cpu()
-        keep[rows[rows >= 0]] = True
-        return keep
-    return slice(0, int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]))
+        rows = handle.recv_src_metadata[:, 2:].flatten().long()
+        return rows[rows >= 0].sort().values
+    num_rows = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+    return torch.arange(num_rows, device=handle.recv_src_metadata.device)
+
+
+def _host(tensor):
+    return None if tensor is None else tensor.cpu()
+
+
+def _on_host(dispatched):
+    """What `_compare` checks of a dispatch's outputs, copied to the host: the handle's
+    tensors, the received ids and weights, and only the payload rows that carry a token (8
+    processes with capacity-sized expand outputs of 4096 tokens each would not fit twice)."""
+    recv_x, recv_idx, recv_weights, handle = dispatched[:4]
+    keep = _valid_rows(handle)
+    return dict(rows=[row.index_select(0, keep).cpu() for row in _rows(recv_x)],
+                recv_topk_idx=_host(recv_idx), recv_topk_weights=_host(recv_weights),
+                **{name: getattr(handle, name).cpu() for name in HANDLE_FIELDS})
 
 
 def _compare(got, want, what):
     (gd, gc), (wd, wc) = got, want
-    gh, wh = gd[3], wd[3]
-    for name in ("recv_src_metadata", "psum_num_recv_tokens_per_scaleup_rank",
-                 "psum_num_recv_tokens_per_expert", "num_unaligned_recv_tokens_per_expert"):
-        _same(getattr(gh, name), getattr(wh, name), f"{what} {name}")
-    _same(gd[1], wd[1], f"{what} recv_topk_idx")
-    _same(gd[2], wd[2], f"{what} recv_topk_weights")
-    keep = _valid_rows(wh)
-    for i, (g, w) in enumerate(zip(_rows(gd[0]), _rows(wd[0]))):
-        _same(g.cpu()[keep], w.cpu()[keep], f"{what} recv_x[{i}]")
+    for name in (*HANDLE_FIELDS, "recv_topk_idx", "recv_topk_weights"):
+        _same(gd[name], wd[name], f"{what} {name}")
+    for i, (g, w) in enumerate(zip(gd["rows"], wd["rows"])):
+        _same(g, w, f"{what} recv_x[{i}]")
     _same(gc[0], wc[0], f"{what} combined_x")
     _same(gc[1], wc[1], f"{what} combined_weights")
 
 
-def _roundtrip(buffer, x, idx, weights, experts, opts, bias, debug):
+@contextlib.contextmanager
+def _sync_debug(on):
+    """With `on`, any device-to-host synchronization in the block raises."""
     torch.cuda.synchronize()
-    if debug:
+    if on:
         torch.cuda.set_sync_debug_mode("error")
     try:
-        out = buffer.dispatch(x, idx, weights, num_experts=experts, **opts)
-        y = _rows(out[0])[0].to(torch.bfloat16) * 3
-        combined = buffer.combine(y, out[3], topk_weights=out[2], bias=bias)
+        yield
         torch.cuda.synchronize()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    return out, combined
+
+
+def _roundtrip(buffer, x, idx, weights, experts, opts, bias, debug):
+    """Dispatch, then combine 3 x the received rows; the results on the host. The GPU outputs
+    are dropped on return, so each process peaks at one call's capacity-sized tensors."""
+    with _sync_debug(debug):
+        out = buffer.dispatch(x, idx, weights, num_experts=experts, **opts)
+    dispatched = _on_host(out)
+    y = _rows(out[0])[0].to(torch.bfloat16).mul_(3)  # (in place for bf16: copied already)
+    with _sync_debug(debug):
+        combined = buffer.combine(y, out[3], topk_weights=out[2], bias=bias)
+    return dispatched, [_host(t) for t in combined[:2]]
 
 
 def check_ranks(tokens, hidden, topk, experts):
@@ -116,28 +142,31 @@ def check_ranks(tokens, hidden, topk, experts):
                 want = _roundtrip(coll, x, idx, w, experts, opts, bias, False)
                 got = _roundtrip(symm, x, idx, w, experts, opts, bias, not sync)
                 _compare(got, want, f"rank {rank} expand={expand} fp8={fp8} sync={sync}")
-    # CUDA graph: capture a sync-free dispatch + combine, replay on new data. (No eager call
-    # through `symm` after a capture: Buffer._drain_pending queries events recorded during
-    # capture, which CUDA rejects.)
+    # CUDA graph: capture a sync-free dispatch + combine, replay on new data (the references
+    # first, so the collective backend's outputs are gone before the graph's are made). (No
+    # eager call through `symm` after a capture: Buffer._drain_pending queries events recorded
+    # during capture, which CUDA rejects.)
     for expand in (False, True):
         opts = dict(do_expand=expand, do_cpu_sync=False, expert_alignment=4 if expand else 1)
         x, idx, w = _data(rank, num_tokens, hidden, topk, experts, False, 50, device)
+        replays = [_data(rank, num_tokens, hidden, topk, experts, False, 60 + replay, device)
+                   for replay in range(2)]
+        wants = [_roundtrip(coll, *data, experts, opts, None, False) for data in replays]
         graph = torch.cuda.CUDAGraph()
         dist.barrier()
         with torch.cuda.graph(graph):
             captured = symm.dispatch(x, idx, w, num_experts=experts, **opts)
             y = _rows(captured[0])[0] * 3
             captured_c = symm.combine(y, captured[3], topk_weights=captured[2])
-        for replay in range(2):
-            x2, idx2, w2 = _data(rank, num_tokens, hidden, topk, experts, False, 60 + replay,
-                                 device)
+        for replay, ((x2, idx2, w2), want) in enumerate(zip(replays, wants)):
             x.copy_(x2)
             idx.copy_(idx2)
             w.copy_(w2)
             graph.replay()
             torch.cuda.synchronize()
-            want = _roundtrip(coll, x2, idx2, w2, experts, opts, None, False)
-            _compare((captured, captured_c), want, f"rank {rank} graph expand={expand} #{replay}")
+            got = _on_host(captured), [_host(t) for t in captured_c[:2]]
+            _compare(got, want, f"rank {rank} graph expand={expand} #{replay}")
+        del graph, captured, captured_c, y
     symm.check_errors()
     return time.time() - start
 
