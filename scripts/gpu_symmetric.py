@@ -8,7 +8,8 @@
    run under `torch.cuda.set_sync_debug_mode("error")`; then dispatch + combine are captured in
    a CUDA graph and replayed on new data, compared with the collective backend.
 2. Benchmark at EP=1: dispatch / combine of 4096 x 7168 bf16, top-8, against a torch copy of the
-   same rows measured in the same run; host time per call; kernel launches per call.
+   same rows measured in the same run: back-to-back call time, the kernels' own time (torch
+   profiler), host time per call, kernel launches per call.
 """
 from __future__ import annotations
 
@@ -185,14 +186,18 @@ def _cuda_time(fn, iters):
     return start.elapsed_time(end) / iters * 1e-3, median_host_us(fn, iters, warmup=0) * 1e-6
 
 
-def _launches(fn):
+def _kernels(fn, iters=5):
+    """(kernels launched per call, their GPU seconds per call) of `fn`, from the torch profiler:
+    the kernels' own time, which back-to-back timing hides when the host is slower."""
     from torch.profiler import ProfilerActivity, profile
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(iters):
+            fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type.name == "CUDA"
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower())
+    kernels = [e for e in prof.events() if e.device_type.name == "CUDA"
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    return len(kernels) // iters, sum(e.time_range.elapsed_us() for e in kernels) / iters * 1e-6
 
 
 def profile_calls(tokens, hidden, topk, experts):
@@ -233,8 +238,10 @@ def bench(tokens, hidden, topk, experts):
     nbytes = x.numel() * x.element_size()
     copy_out = torch.empty_like(x)
     rows = []
-    t_copy, _ = _cuda_time(lambda: copy_out.copy_(x), 20)
-    rows.append(("torch copy of x (roofline)", t_copy, nbytes, 1.0, 1, 0.0))
+    copy = lambda: copy_out.copy_(x)  # noqa: E731
+    t_copy = _kernels(copy)[1]
+    rows.append(("torch copy of x (roofline)", _cuda_time(copy, 20)[0], t_copy, nbytes, 1.0, 1,
+                 0.0))
     # Bytes each path must move, in units of x's bytes, read + written (docs/perf-notes.md):
     # compact: read x, write staging, read staging, write the output (4); expand: the staging
     # copy and read (3) plus one output row per (token, expert) pair (dispatch), or one read
@@ -253,20 +260,20 @@ def bench(tokens, hidden, topk, experts):
             buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
 
         name = "expand" if expand else "compact"
-        t_d, host_d = _cuda_time(dispatch, 20)
-        t_c, host_c = _cuda_time(combine, 20)
-        rows.append((f"dispatch {name} (sync-free)", t_d, nbytes, moved / 2 * t_copy / t_d,
-                     _launches(dispatch), host_d))
-        rows.append((f"combine {name}", t_c, nbytes, moved / 2 * t_copy / t_c,
-                     _launches(combine), host_c))
+        for what, fn in ((f"dispatch {name} (sync-free)", dispatch), (f"combine {name}", combine)):
+            t_call, host = _cuda_time(fn, 20)
+            launches, t_kernel = _kernels(fn)
+            rows.append((what, t_call, t_kernel, nbytes, moved / 2 * t_copy / t_kernel, launches,
+                         host))
     graph = torch.cuda.CUDAGraph()
     out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
     with torch.cuda.graph(graph):
         out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
         buffer.combine(out[0], out[3], topk_weights=out[2])
     t_g, host_g = _cuda_time(graph.replay, 20)
-    rows.append(("graph replay dispatch+combine compact", t_g, nbytes, 4 * t_copy / t_g, 1,
-                 host_g))
+    t_kernels = _kernels(graph.replay)[1] or t_g  # (in case the profiler sees no graph kernels)
+    rows.append(("graph replay dispatch+combine compact", t_g, t_kernels, nbytes,
+                 4 * t_copy / t_kernels, 1, host_g))
     return rows, buffer.num_sms, buffer._impl.heap_bytes
 
 
@@ -296,13 +303,15 @@ def main():
     print(f"\nEP=1, {args.tokens} x {args.hidden} bf16, top-{args.topk}, {args.experts} experts, "
           f"num_sms={num_sms}, heap {heap / 2**20:.0f} MiB per rank "
           f"(DeepSeek-V3 EP8, 4096 tokens: {dsv3 / 2**20:.1f} MiB per rank)")
-    print(f"| {'what':40} | {'GPU us':>9} | {'GB/s (x bytes)':>14} | {'of copy roofline':>16} | "
-          f"{'launches':>8} | {'host us':>8} |")
-    print(f"|{'-' * 42}|{'-' * 11}|{'-' * 16}|{'-' * 18}|{'-' * 10}|{'-' * 10}|")
-    for name, seconds, nbytes, ratio, launches, host in rows:
-        print(f"| {name:40} | {seconds * 1e6:9.1f} | {nbytes / seconds / 1e9:14.1f} | "
-              f"{ratio:15.0%} | {launches:8d} | {host * 1e6:8.1f} |")
-
+    print("(call us: back-to-back calls, host-bound when the host is slower than the GPU; "
+          "kernel us: the kernels' own time, which GB/s and the roofline share use)")
+    print(f"| {'what':40} | {'call us':>8} | {'kernel us':>9} | {'GB/s (x bytes)':>14} | "
+          f"{'of copy roofline':>16} | {'launches':>8} | {'host us':>8} |")
+    print(f"|{'-' * 42}|{'-' * 10}|{'-' * 11}|{'-' * 16}|{'-' * 18}|{'-' * 10}|{'-' * 10}|")
+    for name, t_call, t_kernel, nbytes, ratio, launches, host in rows:
+        print(f"| {name:40} | {t_call * 1e6:8.1f} | {t_kernel * 1e6:9.1f} | "
+              f"{nbytes / t_kernel / 1e9:14.1f} | {ratio:15.0%} | {launches:8d} | "
+              f"{host * 1e6:8.1f} |")
 
 if __name__ == "__main__":
     main()
