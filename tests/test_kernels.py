@@ -325,3 +325,21 @@ def test_tensor_block_views_on_16_byte_boundaries():
         ends.append((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()))
     assert all(end <= later for (_, end), (later, _) in zip(ends, ends[1:]))  # no overlap
     assert block.arg("f", typed=False) is block["f"] and set(block) == set("abcdef")
+
+
+def test_arg_template_example():
+    """`ArgTemplate`: its docstring example, new addresses per fill, a part's offset only from
+    the base slot, and the address count checked."""
+    from epcomm.kernels.launcher import Address, ArgTemplate
+    template = ArgTemplate((7, Address(1), Address(0, offset=16), Address(0)), base=0)
+    assert template.fill((1000, 2000)) == (7, 2000, 1016, 1000)
+    assert template.fill((3000, 4000)) == (7, 4000, 3016, 3000)
+    block = Address(2, shape=(5,)) + 32  # what TensorBlock.arg does with a stand-in block
+    assert (block.slot, block.offset, block.shape, block.data_ptr()) == (2, 32, (5,), block)
+    assert ArgTemplate((block, Address(0), 1, block), base=2).fill((5, 6, 100)) == \
+        (132, 5, 1, 132)
+    assert ArgTemplate((Address(1),), base=0).fill((5, 6)) == (6,)
+    with pytest.raises(ValueError, match="slot 0"):
+        ArgTemplate((Address(1, offset=4),), base=0)
+    with pytest.raises(ValueError, match="expected 2 addresses"):
+        template.fill((1,))

@@ -272,12 +272,16 @@ def _launch_addresses(case_list):
         launches.append((launcher.fn.__name__, variant, typed,
                          [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]))
 
+    def record_untyped(launcher, variant, stream, args):
+        record(launcher, variant, stream, *args[:len(args) - len(launcher.tail)], typed=False)
+
     OutputAllocator.empty = empty
     Launcher.__call__ = record
+    Launcher.launch_untyped = record_untyped
     Launcher.kept = lambda launcher, variant: state["kept"] and variant is not None
     buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", device="cpu")
     results = []
-    for case, (fp8, expand, sync, with_weights, biases) in enumerate(case_list):
+    for case, (fp8, expand, sync, with_weights, biases, copy) in enumerate(case_list):
         x, idx, weights = _data(0, M - 1, 8, fp8, False, case)
         weights = weights if with_weights else None
         bias = tuple(torch.randn(M - 1, H).bfloat16() for _ in range(biases))
@@ -286,8 +290,10 @@ def _launch_addresses(case_list):
         for kept in (False, True):
             state["kept"], state["next"] = kept, 0
             launches.clear()
-            _, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=8,
-                                                 do_cpu_sync=sync, do_expand=expand)
+            for _ in range(2):  # a sync-free call shape's second call reuses its plan
+                _, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=8,
+                                                     do_cpu_sync=sync, do_expand=expand,
+                                                     do_handle_copy=copy)
             buffer.dispatch(x, handle=handle)
             rows = handle.num_output_rows
             if not inputs:  # the combine's caller tensors, the same for both runs
@@ -295,21 +301,28 @@ def _launch_addresses(case_list):
                               weights=torch.rand((rows,) if expand else (rows, K))
                               if with_weights else None)
             buffer.combine(inputs["x"], handle, topk_weights=inputs["weights"], bias=bias)
-            results.append((case, kept, list(launches)))
+            results.append((case, kept, list(launches), len(buffer._impl._plans)))
     return results
 
 
 def test_untyped_launches_pass_the_typed_addresses():
     """What `typed=False` launches (a kept compiled kernel on the GPU) receive: the same
     arguments as typed launches, pointer for pointer (a tensor and its address, a handle part
-    and its offset into the block), for both layouts, bf16 and FP8, with and without weights,
-    synchronizing (two dispatch launches) and sync-free, cached dispatch and biases."""
-    cases = [(False, False, False, True, 0), (False, True, False, True, 2),
-             (True, False, True, False, 1), (True, True, True, True, 0),
-             (False, False, True, True, 2)]
+    and its offset into the block), for both layouts, bf16 and FP8, with and without weights
+    and the handle's topk_idx copy, synchronizing (two dispatch launches) and sync-free (through
+    a `_SyncFreePlan`'s argument template, made by the first call of a call shape and filled
+    with new addresses by the second), cached dispatch and biases."""
+    cases = [(False, False, False, True, 0, True), (False, True, False, True, 2, True),
+             (True, False, True, False, 1, True), (True, True, True, True, 0, True),
+             (False, False, True, True, 2, True), (True, False, False, False, 1, False),
+             (True, True, False, True, 0, False)]
     results = run_local_ranks(_launch_addresses, 1, cases)[0]
-    for (case, kept, untyped), (_, _, typed) in zip(results[1::2], results[0::2]):
-        assert kept and len(untyped) == len(typed) >= 3, (case, len(untyped), len(typed))
+    plans = 0
+    for (case, kept, untyped, planned), (_, _, typed, _) in zip(results[1::2], results[0::2]):
+        # a sync-free dispatch makes one plan per call shape, only when its kernel is kept
+        assert planned == plans + (not cases[case][2]), (case, planned, plans)
+        plans = planned
+        assert kept and len(untyped) == len(typed) >= 4, (case, len(untyped), len(typed))
         assert all(launch[2] for launch in typed) and not any(launch[2] for launch in untyped)
         for got, want in zip(untyped, typed):
             assert got[:2] == want[:2], (case, got[:2], want[:2])

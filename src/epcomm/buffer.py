@@ -89,10 +89,12 @@ class Buffer:
         self._streams: dict[int, "torch.cuda.Stream"] = {}  # raw handle -> Stream
         self._entry_event = torch.cuda.Event() if self.device.type == "cuda" else None
         # The stream after whose queued work every device call of this buffer so far comes
-        # (None: not one stream; the next call goes through the comm stream), and the event of
-        # the last call if it ran there instead of on the comm stream: see `_launch`.
+        # (None: not one stream; the next call goes through the comm stream), and the stream
+        # the last calls ran on if they ran there instead of on the comm stream: see `_launch`.
         self._ordered_on: Optional["torch.cuda.Stream"] = None
-        self._direct_event: Optional[torch.cuda.Event] = None
+        self._direct_stream: Optional["torch.cuda.Stream"] = None
+        self._direct_event = torch.cuda.Event() if self.device.type == "cuda" else None
+        self._direct_alloc: Optional[OutputAllocator] = None  # the direct calls' allocator
         self.num_sms = num_sms
         self._impl = make_backend(backend, self)
         self.num_sms = getattr(self._impl, "num_sms", num_sms)
@@ -275,30 +277,35 @@ class Buffer:
             return work(OutputAllocator(self.device), None), EventOverlap()
         self._drain_pending()
         compute = self._current_stream()
-        used = [t for t in inputs if t is not None]
         # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
         same_device = torch._C._cuda_getDevice() == self.device.index
         direct = same_device and not host_reads and self._impl.explicit_streams
-        for tensor in used:
-            direct = direct and tensor.is_contiguous()
+        for tensor in inputs:
+            if direct and tensor is not None:
+                direct = tensor.is_contiguous()
         # Never while capturing: an event recorded in a capture cannot be waited on after it.
-        capturing = torch.cuda.is_current_stream_capturing()
+        capturing = torch._C._cuda_isCurrentStreamCapturing()  # (torch.cuda wraps it: 1 us)
         entry_event = None if previous_event is None else previous_event.event
         if (direct and compute is self._ordered_on and not async_with_compute_stream
                 and not capturing and not allocate_on_comm_stream and entry_event is None):
-            alloc = OutputAllocator(self.device, compute, compute)
+            alloc = self._direct_alloc  # (a new allocator costs 1-2 us of host time)
+            if alloc is None or alloc.stream is not compute:
+                alloc = self._direct_alloc = OutputAllocator(self.device, compute, compute,
+                                                             remember=False)
             result = work(alloc, compute)
-            event = self._direct_event = torch.cuda.Event()
-            event.record(compute)
-            return result, EventOverlap(event)
+            self._direct_stream = compute
+            return result, EventOverlap(stream=compute)  # recorded when first needed
         comm = self.get_comm_stream()
-        if self._direct_event is not None:
+        used = [t for t in inputs if t is not None]
+        if self._direct_stream is not None:
             # Calls through one buffer never overlap: this one waits for the direct ones,
-            # whichever stream is current now. (An event recorded outside a graph capture
-            # cannot be waited on inside it; a graph's replays are ordered by their caller.)
+            # whichever stream is current now (for what their stream queued up to now: no
+            # less). A graph's replays are ordered by their caller, and a capture cannot wait
+            # on work queued outside it.
             if not capturing:
+                self._direct_event.record(self._direct_stream)
                 comm.wait_event(self._direct_event)
-            self._direct_event = None
+            self._direct_stream = None
         if entry_event is not None:
             comm.wait_event(entry_event)
         else:

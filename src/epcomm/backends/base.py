@@ -16,16 +16,17 @@ from ..handle import EPHandle
 
 class OutputAllocator:
     """Allocates output tensors from a chosen CUDA stream's pool (or plainly on CPU), and
-    remembers them. `current` is the stream that is current while the backend runs (the
-    communication stream); allocating for another one switches to it and back with
-    `torch.cuda.set_stream` (a `with torch.cuda.stream(...)` block costs ~16 us of host time)."""
+    remembers them in `allocated` (unless `remember` is False: an allocator kept for many
+    calls). `current` is the stream that is current while the backend runs (the communication
+    stream); allocating for another one switches to it and back with `torch.cuda.set_stream` (a
+    `with torch.cuda.stream(...)` block costs ~16 us of host time)."""
 
     def __init__(self, device: torch.device, stream: Optional["torch.cuda.Stream"] = None,
-                 current: Optional["torch.cuda.Stream"] = None) -> None:
+                 current: Optional["torch.cuda.Stream"] = None, remember: bool = True) -> None:
         self.device = device
         self.stream = stream
         self.current = current
-        self.allocated: list[torch.Tensor] = []
+        self.allocated: Optional[list[torch.Tensor]] = [] if remember else None
 
     def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
         if self.stream is self.current:  # the same object (Stream.__eq__ costs 1.8 us)
@@ -36,7 +37,8 @@ class OutputAllocator:
                 tensor = torch.empty(shape, dtype=dtype, device=self.device)
             finally:
                 torch.cuda.set_stream(self.current)
-        self.allocated.append(tensor)
+        if self.allocated is not None:
+            self.allocated.append(tensor)
         return tensor
 
     def zeros(self, shape, dtype: torch.dtype) -> torch.Tensor:

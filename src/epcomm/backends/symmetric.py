@@ -28,7 +28,10 @@ from __future__ import annotations
 
 import contextlib
 import math
+import operator
 from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import reduce
 from typing import Optional, Sequence
 
 import torch
@@ -40,7 +43,8 @@ from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
 from ..kernels.dispatch import RecordLayout, payload_words
-from ..kernels.launcher import KernelShape, Launcher, Stage, next_power_of_2
+from ..kernels.launcher import (Address, ArgTemplate, KernelShape, Launcher, Stage,
+                                next_power_of_2)
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
 from ..symm_heap import SymmetricHeap, all_gather_objects, heap_reachable
@@ -166,6 +170,21 @@ class TensorBlock(Mapping):
         return self.address + 4 * self.layout.parts[name][0]
 
 
+@dataclass(frozen=True)
+class _SyncFreePlan:
+    """What a sync-free dispatch of one call shape needs besides its tensors, once its launch
+    is kept: the launcher and variant, the handle block's layout, (compact rows, expand rows)
+    of the outputs, and the launch's arguments with the tensors' addresses left open (slots
+    in `SymmetricBackend._dispatch_planned`'s order: the caller's tensors, then the
+    outputs)."""
+
+    launcher: Launcher
+    variant: tuple
+    block_layout: "BlockLayout"
+    capacity: tuple[int, int]
+    template: ArgTemplate
+
+
 class SymmetricBackend(Backend):
     name = "symmetric"
     explicit_streams = True
@@ -214,6 +233,7 @@ class SymmetricBackend(Backend):
         self._layouts: dict = {}  # payload words -> (RecordLayout, its dispatch Launcher)
         self._combine_launcher = combine_kernels.launcher(self.combine_shape)
         self._block_layouts: dict = {}  # see `_block_layout`
+        self._plans: dict = {}  # sync-free call shape -> _SyncFreePlan
         self._scratch_addresses = tuple(tensor.data_ptr() for tensor in self._scratch(True))
         if self.device.type == "cuda":
             self._warm_up()
@@ -239,6 +259,7 @@ class SymmetricBackend(Backend):
         if self._hist_scratch.numel() < need:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._hist_scratch = torch.zeros(need, dtype=torch.int32, device=self.device)
+            self._plans.clear()  # their arguments hold the old scratch's address
         return self._hist_scratch
 
     def _warm_up(self) -> None:
@@ -336,7 +357,11 @@ class SymmetricBackend(Backend):
         return self._sync, self._flags, self._counts_scratch, self._pos_scratch
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        R, M, K = self.num_ranks, request.num_max_tokens_per_rank, self.num_topk
+        if not request.do_cpu_sync and request.cached is None:
+            result = self._dispatch_planned(request)
+            if result is not None:
+                return result
+        R, K = self.num_ranks, self.num_topk
         E, align = request.num_experts, request.expert_alignment
         num_local = E // R
         sync, alloc, cached, stream = request.do_cpu_sync, request.alloc, request.cached, \
@@ -350,8 +375,7 @@ class SymmetricBackend(Backend):
         elif sync:
             num_rows = num_expanded = None  # counted on the device first
         else:
-            num_rows = R * M
-            num_expanded = expand_capacity(R, M, K, num_local, align) if expand else 0
+            num_rows, num_expanded = self._capacity(request)
         copy = request.copy_topk_idx
         block_layout = self._block_layout(num_tokens, num_local, num_rows,
                                           topk_idx.dtype if copy else None)
@@ -372,22 +396,16 @@ class SymmetricBackend(Backend):
         send = dispatch_kernels.send_phase(
             counts, positions, topk_idx, E, weights, rows, layout, block.arg("slots", typed),
             block.arg("topk_idx", typed) if copy else None, typed=typed)
-        receive = dict(max_tokens=M, num_local=num_local, alignment=align, expand=expand,
-                       rank_psum=block.arg("psum_num_recv_tokens_per_scaleup_rank", typed),
-                       expert_counts=block.arg("num_unaligned_recv_tokens_per_expert", typed),
-                       expert_psum=block.arg("psum_num_recv_tokens_per_expert", typed),
-                       typed=typed)
-        run = dict(shape=self.shape, stage=self.dispatch_stage, layout=layout, sync=sync_t,
-                   error=error, timeout=self.timeout, send=send, stream=stream, typed=typed,
-                   kernel=launcher)
         counts_list = None
         if num_rows is None:
             # Send and count in one launch, size the outputs on the host, then receive.
-            dispatch_kernels.run(**run, variant=count_variant,
-                                 receive=dispatch_kernels.receive_phase(
-                hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
-                zero_padding=False, tail=False, idx_out=None, weights_out=None,
-                metadata=block.arg("slots", typed), rows_out=[], **receive))
+            launcher(count_variant, stream, *dispatch_kernels.arguments(
+                self.dispatch_stage, layout, sync_t, error, self.timeout, send,
+                dispatch_kernels.receive_phase(
+                    hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
+                    zero_padding=False, tail=False, idx_out=None, weights_out=None,
+                    metadata=block.arg("slots", typed), rows_out=[],
+                    **self._receive_parts(request, block, typed)), typed=typed), typed=typed)
             num_rows = block["psum_num_recv_tokens_per_scaleup_rank"][-1].item()  # the host sync
             self._raise_on_timeout("dispatch")
             counts_list = [align_up(c, align) for c in
@@ -397,35 +415,144 @@ class SymmetricBackend(Backend):
             sent = True
         else:
             sent = False
-        capacity = num_expanded if expand else _NO_CAPACITY
-        out_rows = num_expanded if expand else num_rows
-        recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in rows]
-        recv_weights = None
-        if weights is not None:
-            recv_weights = alloc.empty((out_rows,) if expand else (out_rows, K), torch.float32)
-        local_idx = None if expand else alloc.empty((num_rows, K), topk_idx.dtype)
-        dispatch_kernels.run(**run, do_send=not sent, variant=variant,
-                             receive=dispatch_kernels.receive_phase(
-            hist, layout, full=True, capacity=capacity, out_rows=num_rows,
-            zero_padding=request.do_zero_padding, tail=not sync, idx_out=local_idx,
-            weights_out=recv_weights, metadata=block.arg("recv_src_metadata", typed),
-            rows_out=recv_rows, **receive))
-
+        recv_rows, recv_weights, local_idx = self._outputs(request, num_rows, num_expanded)
+        launcher(variant, stream, *self._receive_arguments(
+            request, layout, block, send, hist, num_rows, num_expanded, recv_rows, recv_weights,
+            local_idx, do_send=not sent, typed=typed), typed=typed)
         if cached is not None:
             return DispatchResult(recv_rows, local_idx, recv_weights, cached)
+        return self._result(request, block, recv_rows, recv_weights, local_idx, counts_list,
+                            num_rows, num_expanded)
+
+    def _capacity(self, request: DispatchRequest) -> tuple[int, int]:
+        """(compact rows, expand rows) of a sync-free dispatch's outputs (contract section 2)."""
+        R, M = self.num_ranks, request.num_max_tokens_per_rank
+        num_expanded = expand_capacity(R, M, self.num_topk, request.num_experts // R,
+                                       request.expert_alignment) if request.do_expand else 0
+        return R * M, num_expanded
+
+    def _outputs(self, request: DispatchRequest, num_rows: int, num_expanded: int) -> tuple:
+        """(received payload rows, received weights or None, local ids or None (expand))."""
+        alloc, K, expand = request.alloc, self.num_topk, request.do_expand
+        out_rows = num_expanded if expand else num_rows
+        recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in request.rows]
+        recv_weights = None
+        if request.topk_weights is not None:
+            recv_weights = alloc.empty((out_rows,) if expand else (out_rows, K), torch.float32)
+        local_idx = None if expand else alloc.empty((num_rows, K), request.topk_idx.dtype)
+        return recv_rows, recv_weights, local_idx
+
+    def _receive_parts(self, request: DispatchRequest, block: "TensorBlock", typed: bool) -> dict:
+        """The receive phase's arguments common to both passes of a dispatch."""
+        return dict(max_tokens=request.num_max_tokens_per_rank,
+                    num_local=request.num_experts // self.num_ranks,
+                    alignment=request.expert_alignment, expand=request.do_expand,
+                    rank_psum=block.arg("psum_num_recv_tokens_per_scaleup_rank", typed),
+                    expert_counts=block.arg("num_unaligned_recv_tokens_per_expert", typed),
+                    expert_psum=block.arg("psum_num_recv_tokens_per_expert", typed),
+                    typed=typed)
+
+    def _receive_arguments(self, request: DispatchRequest, layout: RecordLayout,
+                           block: "TensorBlock", send: tuple, hist, num_rows: int,
+                           num_expanded: int, recv_rows, recv_weights, local_idx, *,
+                           do_send: bool, typed: bool) -> tuple:
+        """The arguments of the launch that fills the outputs (after sending, or sending too)."""
+        expand = request.do_expand
+        receive = dispatch_kernels.receive_phase(
+            hist, layout, full=True, capacity=num_expanded if expand else _NO_CAPACITY,
+            out_rows=num_rows, zero_padding=request.do_zero_padding,
+            tail=not request.do_cpu_sync, idx_out=local_idx, weights_out=recv_weights,
+            metadata=block.arg("recv_src_metadata", typed), rows_out=recv_rows,
+            **self._receive_parts(request, block, typed))
+        sync, error = self._scratch(typed)[:2]
+        return dispatch_kernels.arguments(self.dispatch_stage, layout, sync, error, self.timeout,
+                                          send, receive, do_send=do_send, typed=typed)
+
+    def _result(self, request: DispatchRequest, block: "TensorBlock", recv_rows, recv_weights,
+                local_idx, counts_list: Optional[list[int]], num_rows: int,
+                num_expanded: int) -> DispatchResult:
         handle = EPHandle(
             tensors=block,
             num_recv_tokens_per_expert_list=counts_list,
-            num_experts=E,
-            expert_alignment=align,
-            num_max_tokens_per_rank=M,
-            do_expand=expand,
-            do_cpu_sync=sync,
+            num_experts=request.num_experts,
+            expert_alignment=request.expert_alignment,
+            num_max_tokens_per_rank=request.num_max_tokens_per_rank,
+            do_expand=request.do_expand,
+            do_cpu_sync=request.do_cpu_sync,
             num_recv_tokens=num_rows,
             num_expanded_tokens=num_expanded,
             backend_state=block,
         )
         return DispatchResult(recv_rows, local_idx, recv_weights, handle)
+
+    def _dispatch_planned(self, request: DispatchRequest) -> Optional[DispatchResult]:
+        """A sync-free dispatch through the `_SyncFreePlan` of its call shape (made by the
+        first such call), or None when it cannot take one (a caller pointer that is not 16-byte
+        aligned, or no kept kernel: under the interpreter, before warm-up)."""
+        rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
+        # Argument slots: the caller's tensors, then the outputs (the handle's block first).
+        callers = [t for t in (topk_idx, weights, *rows) if t is not None]
+        inputs = [t.data_ptr() for t in callers]
+        if reduce(operator.or_, inputs) % 16:
+            return None
+        copy = request.copy_topk_idx
+        key = (topk_idx.shape[0], topk_idx.dtype, weights is None, len(rows), rows[0].dtype,
+               request.num_experts, request.num_max_tokens_per_rank, request.expert_alignment,
+               request.do_expand, request.do_zero_padding, copy)
+        plan = self._plans.get(key)
+        if plan is None:
+            layout, launcher = self._record_layout(rows)
+            variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32
+                                               if request.do_expand else topk_idx.dtype)
+            if not launcher.kept(variant):
+                return None
+            capacity = self._capacity(request)
+            block_layout = self._block_layout(topk_idx.shape[0], request.num_experts //
+                                              self.num_ranks, capacity[0],
+                                              topk_idx.dtype if copy else None)
+        elif not plan.launcher.kept(plan.variant):  # rejected by the compiled launcher once
+            return None
+        else:
+            block_layout, capacity = plan.block_layout, plan.capacity
+        block = TensorBlock(request.alloc.empty((block_layout.words,), torch.int32),
+                            block_layout, None if copy else {"topk_idx": topk_idx})
+        recv_rows, recv_weights, local_idx = self._outputs(request, *capacity)
+        outputs = [t for t in (block.block, *recv_rows, recv_weights, local_idx)
+                   if t is not None]
+        if plan is None:
+            hist = self._hist(request.num_experts // self.num_ranks, request.stream)
+            plan = self._plans[key] = _SyncFreePlan(
+                launcher, variant, block_layout, capacity,
+                self._template(request, layout, launcher, block, hist, recv_rows, recv_weights,
+                               local_idx, callers + outputs))
+        plan.launcher.launch_untyped(plan.variant, request.stream, plan.template.fill(
+            inputs + [t.data_ptr() for t in outputs]))
+        return self._result(request, block, recv_rows, recv_weights, local_idx, None, *capacity)
+
+    def _template(self, request: DispatchRequest, layout: RecordLayout, launcher: Launcher,
+                  block: "TensorBlock", hist: torch.Tensor, recv_rows, recv_weights, local_idx,
+                  tensors: list[torch.Tensor]) -> ArgTemplate:
+        """The untyped arguments of a sync-free dispatch's launch (the constexpr tail
+        included), built by the same code as every other launch's, with tensor i of `tensors`
+        left open as address slot i."""
+        stand_ins = {id(t): Address(i, tuple(t.shape)) for i, t in enumerate(tensors)}
+
+        def open_slot(tensor):
+            return None if tensor is None else stand_ins[id(tensor)]
+
+        topk_idx, copy = open_slot(request.topk_idx), request.copy_topk_idx
+        block = TensorBlock(open_slot(block.block), block.layout,
+                            None if copy else {"topk_idx": topk_idx})
+        counts, positions = self._scratch(False)[2:]
+        send = dispatch_kernels.send_phase(
+            counts, positions, topk_idx, request.num_experts, open_slot(request.topk_weights),
+            [open_slot(row) for row in request.rows], layout, block.arg("slots", False),
+            block.arg("topk_idx", False) if copy else None, typed=False)
+        return ArgTemplate(self._receive_arguments(
+            request, layout, block, send, hist.data_ptr(), *self._capacity(request),
+            [open_slot(row) for row in recv_rows], open_slot(recv_weights),
+            open_slot(local_idx), do_send=True, typed=False) + launcher.tail,
+            base=block.address.slot)
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

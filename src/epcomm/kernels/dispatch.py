@@ -650,6 +650,14 @@ def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
                      typed))
 
 
+def arguments(stage: Stage, layout: RecordLayout, sync, error, timeout: int, send: tuple,
+              receive: tuple, *, do_send: bool = True, do_receive: bool = True,
+              typed: bool = True) -> tuple:
+    """The arguments of one launch of `dispatch_kernel` (its constexprs excepted): `run`'s."""
+    return (*(stage.args if typed else stage.untyped_args), layout.words, sync, error, timeout,
+            int(do_send), int(do_receive), *send, *receive)
+
+
 def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, timeout: int,
         send: tuple, receive: tuple, *, do_send: bool = True, do_receive: bool = True,
         stream=None, variant: Optional[tuple] = None, typed: bool = True,
@@ -661,5 +669,6 @@ def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, tim
     variant: `variant(...)` of the launch's tensors (None: the generic path); typed: whether
     the phases were built typed; kernel: `launcher(shape, layout)`, if the caller keeps it."""
     kernel = kernel or launcher(shape, layout)
-    kernel(variant, stream, *(stage.args if typed else stage.untyped_args), layout.words, sync,
-           error, timeout, int(do_send), int(do_receive), *send, *receive, typed=typed)
+    kernel(variant, stream, *arguments(stage, layout, sync, error, timeout, send, receive,
+                                       do_send=do_send, do_receive=do_receive, typed=typed),
+           typed=typed)

@@ -20,8 +20,9 @@ driver query per pointer) and tensors of any dtype (no dtype views); it then lau
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Hashable, Optional, Sequence
 
 import torch
 from triton import knobs
@@ -62,30 +63,16 @@ class Launcher:
         """Launch on `stream` (a CUDA stream; None: the current stream, and always under the
         interpreter). `typed=False`: `args` are untyped (see the module docstring), allowed
         only when `kept(variant)`."""
+        if not typed:
+            self.launch_untyped(variant, stream, args + self.tail)
+            return
         kernel = self.compiled.get(variant) if self.fast and variant is not None else None
-        if kernel is None and not typed:
-            raise RuntimeError(f"{self.fn.__name__}: untyped arguments for variant {variant!r}, "
-                               "which has no kept compiled kernel")
         if kernel is not None:
-            raw = (torch.cuda.current_stream() if stream is None else stream).cuda_stream
-            args += self.tail
-            enter = _hook(knobs.runtime.launch_enter_hook)  # profilers' hooks
-            metadata = None if enter is None else kernel.launch_metadata(self.grid, raw, *args)
             try:
-                # What `CompiledKernel[grid](...)` does, without looking up the current stream
-                # and device on every call (5 us of the 19.5 us it costs on the GPU machine).
-                kernel.run(*self.grid, raw, kernel.function, kernel.packed_metadata, metadata,
-                           enter, _hook(knobs.runtime.launch_exit_hook), *args)
+                self.run_kept(kernel, stream, args + self.tail)
                 return
-            except (TypeError, OverflowError) as error:
-                # Rejected before launching: a Triton whose compiled kernels take their
-                # arguments differently, or an int that no longer fits the variant's i32 (the
-                # generic path picks the i64 one). Use the generic path from now on (untyped
-                # arguments cannot take it: this call fails, later ones are typed).
-                self.fast, self.fallback = False, repr(error)
-                if not typed:
-                    raise
-                args = args[:len(args) - len(self.tail)]
+            except (TypeError, OverflowError):
+                pass  # the generic path, from now on
         self.generic_launches += 1
         current = None
         if stream is not None:
@@ -99,6 +86,100 @@ class Launcher:
         if self.fast and variant is not None:
             kernel._init_handles()
             self.compiled[variant] = kernel
+
+    def launch_untyped(self, variant: Optional[Hashable], stream, args: tuple) -> None:
+        """Launch the kept kernel of `variant` with untyped `args`, `tail` included (a caller
+        that keeps a launch's arguments, such as an `ArgTemplate`, keeps the tail with them)."""
+        kernel = self.compiled.get(variant) if self.fast and variant is not None else None
+        if kernel is None:
+            raise RuntimeError(f"{self.fn.__name__}: untyped arguments for variant {variant!r}, "
+                               "which has no kept compiled kernel")
+        self.run_kept(kernel, stream, args)
+
+    def run_kept(self, kernel, stream, args: tuple) -> None:
+        """Launch the kept compiled `kernel` on `stream` (None: the current stream) with `args`,
+        every parameter of `fn` in order (the constexprs of `tail` included). What
+        `CompiledKernel[grid](...)` does, without looking up the current stream and device on
+        every call (5 us of the 19.5 us it costs on the GPU machine)."""
+        raw = (torch.cuda.current_stream() if stream is None else stream).cuda_stream
+        enter = _hook(knobs.runtime.launch_enter_hook)  # profilers' hooks
+        metadata = None if enter is None else kernel.launch_metadata(self.grid, raw, *args)
+        try:
+            kernel.run(*self.grid, raw, kernel.function, kernel.packed_metadata, metadata,
+                       enter, _hook(knobs.runtime.launch_exit_hook), *args)
+        except (TypeError, OverflowError) as error:
+            # Rejected before launching: a Triton whose compiled kernels take their arguments
+            # differently, or an int that no longer fits the variant's i32 (the generic path
+            # picks the i64 one). Use the generic path from now on (untyped arguments cannot
+            # take it: this call fails, later ones are typed).
+            self.fast, self.fallback = False, repr(error)
+            raise
+
+
+class Address:
+    """A pointer argument left open in an `ArgTemplate`: the address in slot `slot` of a call's
+    addresses plus `offset` bytes. Stands in for a tensor when a launch's arguments are built
+    once for many calls: `shape` and `data_ptr()` answer what the argument builders read of the
+    tensor, and adding bytes (a part of an allocation) gives another `Address`."""
+
+    __slots__ = ("slot", "offset", "shape")
+
+    def __init__(self, slot: int, shape: tuple = (), offset: int = 0) -> None:
+        self.slot, self.shape, self.offset = slot, shape, offset
+
+    def __add__(self, offset: int) -> "Address":
+        return Address(self.slot, self.shape, self.offset + offset)
+
+    def data_ptr(self) -> "Address":
+        """Itself, as a tensor's `data_ptr()` is its address."""
+        return self
+
+    def __repr__(self) -> str:
+        return f"Address({self.slot}, +{self.offset})"
+
+
+class ArgTemplate:
+    """A kept kernel's untyped launch arguments with the per-call addresses left open, filled
+    per call by one C-level pick: for a 60-argument launch this costs what one Python call does,
+    where building the arguments through the phase builders costs microseconds of host time.
+
+    `args` holds `Address`es where a call's addresses go; addresses with an offset must all be
+    in `base`'s slot (parts of one allocation). `fill(addresses)` gives `args` with each
+    `Address(slot, offset)` replaced by `addresses[slot] + offset`.
+
+    Example: ArgTemplate((7, Address(1), Address(0, offset=16), Address(0)), base=0)
+    .fill((1000, 2000)) == (7, 2000, 1016, 1000).
+    """
+
+    def __init__(self, args: Sequence, base: int) -> None:
+        slots = 1 + max((arg.slot for arg in args if isinstance(arg, Address)), default=-1)
+        offsets: dict[int, int] = {}  # byte offset from `base` -> its index among the parts
+        constants: list = []
+        picks = []  # index of each argument in (addresses, parts, constants)
+        for arg in args:
+            if not isinstance(arg, Address):
+                picks.append(("constant", len(constants)))
+                constants.append(arg)
+            elif arg.offset == 0:
+                picks.append(("address", arg.slot))
+            else:
+                if arg.slot != base:
+                    raise ValueError(f"{arg!r}: offsets are only allowed from slot {base}")
+                picks.append(("part", offsets.setdefault(arg.offset, len(offsets))))
+        where = {"address": 0, "part": slots, "constant": slots + len(offsets)}
+        self.base, self.slots = base, slots
+        self.offsets = tuple(offsets)
+        self.constants = tuple(constants)
+        indices = [where[kind] + index for kind, index in picks]
+        # (itemgetter of one index returns the item, not a 1-tuple)
+        self._pick = operator.itemgetter(*indices) if len(indices) > 1 else \
+            (lambda values: (values[indices[0]],))
+
+    def fill(self, addresses: Sequence[int]) -> tuple:
+        if len(addresses) != self.slots:
+            raise ValueError(f"expected {self.slots} addresses, got {len(addresses)}")
+        parts = map(addresses[self.base].__add__, self.offsets)
+        return self._pick((*addresses, *parts, *self.constants))
 
 
 @dataclass(frozen=True)
