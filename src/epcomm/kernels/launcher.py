@@ -16,7 +16,10 @@ all `do_not_specialize` in our kernels. Under the interpreter every launch is ge
 A kept kernel's launcher only reads each pointer argument's address: when `Launcher.kept`
 says the variant is kept, a caller may pass bare addresses (ints: no `data_ptr()` call and no
 driver query per pointer) and tensors of any dtype (no dtype views); it then launches with
-`typed=False`. The generic path needs typed tensors.
+`typed=False`. The generic path needs typed tensors. A caller that launches one shape of call
+many times keeps its untyped arguments in an `ArgTemplate` (the tensors' addresses left open
+as `Address` slots) and launches with `Launcher.launch_untyped(variant, stream,
+template.fill(addresses))`.
 """
 from __future__ import annotations
 
