@@ -17,6 +17,8 @@ One call is one launch (the kernels' docstrings have the steps), two for a synch
   outputs on the host and runs the receive part in a second launch.
 - combine: one launch, `combine_kernel` (return rows, reduced per token in the expand layout,
   then reduce what came back).
+The host side of a sync-free dispatch is cached per call shape (`_SyncFreePlan`): a call
+allocates its outputs and fills the plan's argument template with their addresses.
 A wait that runs past the buffer's timeout sets the stage's timeout bit of `errors` in the device
 error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the rank and stage,
 a sync-free one leaves it for `Buffer.check_errors()`. After a timeout the ranks' counters
