@@ -20,7 +20,7 @@ source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" symmetric8 "* ]] || step symmetric8 "${SYMMETRIC8_S:-170}" python3 scripts/gpu_symmetric.py --ranks 8 --no-bench
 [[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-230} LIFETIME_RUN_TIMEOUT_S=60 \
   step lifetime "$(( ${LIFETIME_S:-230} + 70 ))" bash scripts/gpu_lifetime.sh
-[[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-240}" bash -c \
+[[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-330}" bash -c \
   'python3 -m pytest -q -x tests/test_kernels.py && python3 -m pytest -q -x \
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
    -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped)"'
