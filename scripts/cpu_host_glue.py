@@ -21,6 +21,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from host_timing import sync_free_calls  # noqa: E402
 
 T, H, K, E, TOKENS = 256, 512, 8, 256, 16  # shapes do not matter to the Python; small is quick
 
@@ -55,14 +56,7 @@ def main():
     x = torch.randn(TOKENS, H).bfloat16()
     idx = torch.randint(0, E, (TOKENS, K))
     weights = torch.rand(TOKENS, K)
-    state = {}
-
-    def dispatch():
-        state["out"] = buffer.dispatch(x, idx, weights, num_experts=E, do_cpu_sync=False)
-
-    def combine():
-        out = state["out"]
-        buffer.combine(out[0], out[3], topk_weights=out[2])
+    dispatch, combine = sync_free_calls(buffer, x, idx, weights, E)
 
     def expert_id_check():
         return bool(((idx < -1) | (idx >= E)).any())

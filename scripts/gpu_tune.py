@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from epcomm.launch import run_local_ranks
-from host_timing import median_host_us
+from host_timing import median_host_us, sync_free_calls
 
 CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
     (16, 512, 8, 16, 512, 16),
@@ -123,14 +123,7 @@ def host(tokens, hidden, topk, experts):
     stream = torch.cuda.Stream()
     tensors = [torch.empty(16, device=device) for _ in range(14)]
     ints = list(range(1, 13))
-    state = {}
-
-    def dispatch():
-        state["out"] = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
-
-    def combine():
-        out = state["out"]
-        buffer.combine(out[0], out[3], topk_weights=out[2])
+    dispatch, combine = sync_free_calls(buffer, x, idx, w, experts)
 
     def switch():
         with torch.cuda.stream(stream):

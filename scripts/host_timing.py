@@ -1,4 +1,5 @@
-"""Host time of a call, shared by the GPU scripts (gpu_symmetric, gpu_tune, gpu_host_costs)."""
+"""Host time of a call, shared by the timing scripts (gpu_symmetric, gpu_tune, gpu_host_costs,
+cpu_host_glue)."""
 from __future__ import annotations
 
 import time
@@ -21,3 +22,19 @@ def median_host_us(fn, iters: int = 20, warmup: int = 1, idle: bool = True) -> f
         samples.append(time.perf_counter() - begin)
     torch.cuda.synchronize()
     return sorted(samples)[iters // 2] * 1e6
+
+
+def sync_free_calls(buffer, x, topk_idx, topk_weights, num_experts: int, **options):
+    """(dispatch, combine): callables for timing one sync-free dispatch (with `options`) and
+    the combine of the latest dispatch through `buffer`."""
+    state = {}
+
+    def dispatch():
+        state["out"] = buffer.dispatch(x, topk_idx, topk_weights, num_experts=num_experts,
+                                       do_cpu_sync=False, **options)
+
+    def combine():
+        out = state["out"]
+        buffer.combine(out[0], out[3], topk_weights=out[2])
+
+    return dispatch, combine
