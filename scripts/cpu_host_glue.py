@@ -8,8 +8,8 @@ and whose launches do nothing, so calls take the same Python as on the GPU (plan
 arguments). Missing here: the CUDA stream checks, CUDA allocations and the C launch. Prints the
 median microseconds per call (the least of `--repeats` medians), and the pieces to subtract
 to get the Python alone: the CPU-only expert-id check that validation runs on CPU tensors, and
-the call's four output allocations. On the GPU machine's host the same Python took about 2.2x
-as long in session 8 (docs/perf-notes.md).
+the call's four output allocations. On the GPU machine's host the same Python took 2.5-3x as
+long in sessions 7 and 8 (docs/perf-notes.md).
 """
 from __future__ import annotations
 
