@@ -10,6 +10,9 @@ in its own process, trees alternated `rounds` times. Printed per process: the sy
 dispatch and combine host time (median us, GPU idle before each call, and back to back) and
 each as a multiple of the same process's yardstick (an empty 26-argument Triton launch); then
 the median multiple per tree, and what it comes to at a reference yardstick (session 7's 22.3 us).
+
+The device tool copies the working tree without its git history: there, pass directories,
+made here beforehand (`mkdir ab_x && git archive REV src scripts | tar -x -C ab_x`, untracked).
 """
 from __future__ import annotations
 
