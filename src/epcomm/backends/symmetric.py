@@ -525,14 +525,15 @@ class SymmetricBackend(Backend):
             hist = self._hist(request.num_experts // self.num_ranks, request.stream)
             plan = self._plans[key] = _SyncFreePlan(
                 launcher, variant, block_layout, capacity,
-                self._template(request, layout, launcher, block, hist, recv_rows, recv_weights,
-                               local_idx, callers + outputs))
+                self._template(request, layout, launcher, block, hist, capacity, recv_rows,
+                               recv_weights, local_idx, callers + outputs))
         plan.launcher.launch_untyped(plan.variant, request.stream, plan.template.fill(
             inputs + [t.data_ptr() for t in outputs]))
         return self._result(request, block, recv_rows, recv_weights, local_idx, None, *capacity)
 
     def _template(self, request: DispatchRequest, layout: RecordLayout, launcher: Launcher,
-                  block: "TensorBlock", hist: torch.Tensor, recv_rows, recv_weights, local_idx,
+                  block: "TensorBlock", hist: torch.Tensor, capacity: tuple[int, int],
+                  recv_rows, recv_weights, local_idx,
                   tensors: list[torch.Tensor]) -> ArgTemplate:
         """The untyped arguments of a sync-free dispatch's launch (the constexpr tail
         included), built by the same code as every other launch's, with tensor i of `tensors`
@@ -551,7 +552,7 @@ class SymmetricBackend(Backend):
             [open_slot(row) for row in request.rows], layout, block.arg("slots", False),
             block.arg("topk_idx", False) if copy else None, typed=False)
         return ArgTemplate(self._receive_arguments(
-            request, layout, block, send, hist.data_ptr(), *self._capacity(request),
+            request, layout, block, send, hist.data_ptr(), *capacity,
             [open_slot(row) for row in recv_rows], open_slot(recv_weights),
             open_slot(local_idx), do_send=True, typed=False) + launcher.tail,
             base=block.address.slot)

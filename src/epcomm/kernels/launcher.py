@@ -60,7 +60,12 @@ class Launcher:
     def kept(self, variant: Optional[Hashable]) -> bool:
         """Whether a launch of `variant` takes the compiled kernel's fast path (then it may
         take untyped arguments)."""
-        return self.fast and variant is not None and variant in self.compiled
+        return self._kept_kernel(variant) is not None
+
+    def _kept_kernel(self, variant: Optional[Hashable]):
+        """The kept `CompiledKernel` of `variant`, None when a launch of it takes the generic
+        path."""
+        return self.compiled.get(variant) if self.fast and variant is not None else None
 
     def __call__(self, variant: Optional[Hashable], stream, *args, typed: bool = True) -> None:
         """Launch on `stream` (a CUDA stream; None: the current stream, and always under the
@@ -69,7 +74,7 @@ class Launcher:
         if not typed:
             self.launch_untyped(variant, stream, args + self.tail)
             return
-        kernel = self.compiled.get(variant) if self.fast and variant is not None else None
+        kernel = self._kept_kernel(variant)
         if kernel is not None:
             try:
                 self.run_kept(kernel, stream, args + self.tail)
@@ -93,7 +98,7 @@ class Launcher:
     def launch_untyped(self, variant: Optional[Hashable], stream, args: tuple) -> None:
         """Launch the kept kernel of `variant` with untyped `args`, `tail` included (a caller
         that keeps a launch's arguments, such as an `ArgTemplate`, keeps the tail with them)."""
-        kernel = self.compiled.get(variant) if self.fast and variant is not None else None
+        kernel = self._kept_kernel(variant)
         if kernel is None:
             raise RuntimeError(f"{self.fn.__name__}: untyped arguments for variant {variant!r}, "
                                "which has no kept compiled kernel")
