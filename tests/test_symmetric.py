@@ -301,7 +301,8 @@ def _launch_addresses(case_list):
                               weights=torch.rand((rows,) if expand else (rows, K))
                               if with_weights else None)
             buffer.combine(inputs["x"], handle, topk_weights=inputs["weights"], bias=bias)
-            results.append((case, kept, list(launches), len(buffer._impl._plans)))
+            results.append((case, kept, list(launches),
+                            (len(buffer._impl._plans), len(buffer._prepared))))
     return results
 
 
@@ -311,16 +312,19 @@ def test_untyped_launches_pass_the_typed_addresses():
     and its offset into the block), for both layouts, bf16 and FP8, with and without weights
     and the handle's topk_idx copy, synchronizing (two dispatch launches) and sync-free (through
     a `_SyncFreePlan`'s argument template, made by the first call of a call shape and filled
-    with new addresses by the second), cached dispatch and biases."""
+    with new addresses by the second, which `Buffer` sends straight to the plan), cached
+    dispatch and biases."""
     cases = [(False, False, False, True, 0, True), (False, True, False, True, 2, True),
              (True, False, True, False, 1, True), (True, True, True, True, 0, True),
              (False, False, True, True, 2, True), (True, False, False, False, 1, False),
              (True, True, False, True, 0, False)]
     results = run_local_ranks(_launch_addresses, 1, cases)[0]
-    plans = 0
+    plans = (0, 0)
     for (case, kept, untyped, planned), (_, _, typed, _) in zip(results[1::2], results[0::2]):
-        # a sync-free dispatch makes one plan per call shape, only when its kernel is kept
-        assert planned == plans + (not cases[case][2]), (case, planned, plans)
+        # a sync-free dispatch makes one plan per call shape, only when its kernel is kept, and
+        # the buffer keeps it for the second call (which skips validation and the request)
+        sync_free = not cases[case][2]
+        assert planned == (plans[0] + sync_free, plans[1] + sync_free), (case, planned, plans)
         plans = planned
         assert kept and len(untyped) == len(typed) >= 4, (case, len(untyped), len(typed))
         assert all(launch[2] for launch in typed) and not any(launch[2] for launch in untyped)

@@ -37,6 +37,26 @@ def _check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
         raise ValueError(f"{name} must be on {device} (the buffer's device), got {tensor.device}")
 
 
+def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
+    """Expert ids in [-1, E) (reads the values: only where a call reads the host anyway)."""
+    if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
+        raise ValueError(f"topk_idx holds expert ids outside [-1, {num_experts})")
+
+
+def _call_shape(rows, topk_idx, topk_weights, *arguments) -> Optional[tuple]:
+    """What validation and a backend's prepared call depend on in a sync-free dispatch without
+    a handle: the dtypes, shapes and devices of the payload `rows` (x, or x_fp8 and its scales),
+    topk_idx and topk_weights, and the other `arguments` with their types. None unless every
+    tensor is a plain `torch.Tensor` (the general path checks anything else)."""
+    tensors = (*rows, topk_idx) if topk_weights is None else (*rows, topk_idx, topk_weights)
+    shape = []
+    for tensor in tensors:
+        if type(tensor) is not torch.Tensor:
+            return None
+        shape += (tensor.dtype, tensor.shape, tensor.device)
+    return (len(rows), *shape, *arguments, *map(type, arguments))
+
+
 class Buffer:
     """Expert-parallel dispatch and combine over one process group.
 
@@ -96,6 +116,8 @@ class Buffer:
         self._direct_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._direct_alloc: Optional[OutputAllocator] = None  # the direct calls' allocator
         self.num_sms = num_sms
+        # Validated sync-free call shapes (`_call_shape`) -> the backend's prepared call.
+        self._prepared: dict = {}
         self._impl = make_backend(backend, self)
         self.num_sms = getattr(self._impl, "num_sms", num_sms)
         self._destroyed = False
@@ -220,8 +242,7 @@ class Buffer:
                 raise ValueError(f"topk_idx must have shape {(num_tokens, self.num_topk)}, "
                                  f"got {tuple(topk_idx.shape)}")
             if dev.type == "cpu" or do_cpu_sync:
-                if bool(((topk_idx < -1) | (topk_idx >= num_experts)).any()):
-                    raise ValueError(f"topk_idx holds expert ids outside [-1, {num_experts})")
+                _check_expert_ids(topk_idx, num_experts)
         if topk_weights is not None:
             _check_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)
             if topk_weights.shape != topk_idx.shape:
@@ -401,6 +422,50 @@ class Buffer:
             handle: `EPHandle` for combine and cached dispatch.
             event: `EventOverlap` on the comm stream.
         """
+        shape = prepared = inputs = None
+        if not do_cpu_sync and handle is None:
+            rows = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+            shape = _call_shape(rows, topk_idx, topk_weights, num_experts,
+                                num_max_tokens_per_rank, expert_alignment, do_expand,
+                                do_zero_padding, do_handle_copy, previous_event is not None,
+                                allocate_on_comm_stream)
+            prepared = self._prepared.get(shape)
+            if prepared is not None:
+                inputs = prepared.addresses(rows, topk_idx, topk_weights)
+        if inputs is not None:
+            # A call shape validated before, whose backend call is prepared: no request.
+            if self.device.type == "cpu":
+                _check_expert_ids(topk_idx, num_experts)
+
+            def work(alloc: OutputAllocator, stream):
+                return prepared.run(inputs, topk_idx, alloc.empty, stream)
+        else:
+            rows, topk_idx, topk_weights, work = self._dispatch_work(
+                x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                expert_alignment, do_cpu_sync, do_expand, do_zero_padding, handle,
+                previous_event, allocate_on_comm_stream, do_handle_copy)
+        result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
+                                     async_with_compute_stream, allocate_on_comm_stream,
+                                     host_reads=do_cpu_sync)
+        if do_cpu_sync and self.device.type == "cuda":
+            self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
+        if shape is not None and prepared is None and result.prepared is not None:
+            self._prepared[shape] = result.prepared
+        new_handle = result.handle
+        if handle is not None:
+            new_handle = handle
+        else:
+            new_handle.buffer_id = self.buffer_id
+            new_handle.num_tokens = rows[0].shape[0]
+            new_handle.hidden = self.hidden
+        recv_x = result.recv_rows[0] if len(rows) == 1 else tuple(result.recv_rows)
+        return recv_x, result.recv_topk_idx, result.recv_topk_weights, new_handle, event
+
+    def _dispatch_work(self, x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
+                       expert_alignment, do_cpu_sync, do_expand, do_zero_padding, handle,
+                       previous_event, allocate_on_comm_stream, do_handle_copy):
+        """Validate a dispatch's arguments (raising before any communication): (payload rows,
+        topk_idx, topk_weights, `work(alloc, stream)` that runs the backend's dispatch)."""
         max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
             else num_max_tokens_per_rank
         if not (isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank):
@@ -426,20 +491,7 @@ class Buffer:
                 do_zero_padding=do_zero_padding, cached=handle, alloc=alloc,
                 copy_topk_idx=copy_topk_idx, stream=stream))
 
-        result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
-                                     async_with_compute_stream, allocate_on_comm_stream,
-                                     host_reads=do_cpu_sync)
-        if do_cpu_sync and self.device.type == "cuda":
-            self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
-        new_handle = result.handle
-        if handle is not None:
-            new_handle = handle
-        else:
-            new_handle.buffer_id = self.buffer_id
-            new_handle.num_tokens = rows[0].shape[0]
-            new_handle.hidden = self.hidden
-        recv_x = result.recv_rows[0] if len(rows) == 1 else tuple(result.recv_rows)
-        return recv_x, result.recv_topk_idx, result.recv_topk_weights, new_handle, event
+        return rows, topk_idx, topk_weights, work
 
     def combine(self, x: torch.Tensor, handle: EPHandle,
                 topk_weights: Optional[torch.Tensor] = None,

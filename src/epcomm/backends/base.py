@@ -7,7 +7,7 @@ caller decides which stream's allocator pool owns them.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -74,12 +74,19 @@ class DispatchRequest:
 
 @dataclass
 class DispatchResult:
-    """recv_rows: one received tensor per request row tensor; other fields as `Buffer.dispatch`."""
+    """recv_rows: one received tensor per request row tensor; other fields as `Buffer.dispatch`.
+
+    prepared: the backend's prepared call of this sync-free call shape, or None. `Buffer` keeps
+    it for later calls with the same validated arguments and then skips the request:
+    `prepared.addresses(rows, topk_idx, topk_weights)` (None: this call cannot take it), then
+    `prepared.run(addresses, topk_idx, alloc.empty, stream)` -> a `DispatchResult`.
+    """
 
     recv_rows: list[torch.Tensor]
     recv_topk_idx: Optional[torch.Tensor]
     recv_topk_weights: Optional[torch.Tensor]
     handle: EPHandle
+    prepared: Optional[Any] = None
 
 
 @dataclass

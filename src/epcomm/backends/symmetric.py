@@ -29,6 +29,7 @@ Results are bitwise those of the collective backend (docs/semantics.md).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import operator
 from collections.abc import Mapping
@@ -45,7 +46,7 @@ from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
 from ..kernels.dispatch import RecordLayout, payload_words
-from ..kernels.launcher import (Address, ArgTemplate, KernelShape, Launcher, Stage,
+from ..kernels.launcher import (Address, ArgTemplate, KernelShape, Launcher, Stage, aligned,
                                 next_power_of_2)
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
@@ -172,19 +173,61 @@ class TensorBlock(Mapping):
         return self.address + 4 * self.layout.parts[name][0]
 
 
-@dataclass(frozen=True)
 class _SyncFreePlan:
-    """What a sync-free dispatch of one call shape needs besides its tensors, once its launch
-    is kept: the launcher and variant, the handle block's layout, (compact rows, expand rows)
-    of the outputs, and the launch's arguments with the tensors' addresses left open (slots
-    in `SymmetricBackend._dispatch_planned`'s order: the caller's tensors, then the
-    outputs)."""
+    """A sync-free dispatch of one call shape whose launch is kept, made by the first such call:
+    everything but its tensors. The caller's tensors and the outputs are address slots of the
+    launch's `ArgTemplate`, in this order: topk_idx, weights (if any), the payload rows, then
+    the handle's block, the received rows, the received weights (if any), the local ids
+    (compact). `Buffer` keeps the plan for later calls with the same validated arguments
+    (`DispatchResult.prepared`)."""
 
-    launcher: Launcher
-    variant: tuple
-    block_layout: "BlockLayout"
-    capacity: tuple[int, int]
-    template: ArgTemplate
+    def __init__(self, launcher: Launcher, variant: tuple, block_layout: "BlockLayout",
+                 outputs: "_OutputShapes", copy: bool, handle_fields: dict,
+                 template: ArgTemplate) -> None:
+        self.launcher, self.variant, self.block_layout = launcher, variant, block_layout
+        self.outputs, self.copy, self.handle_fields = outputs, copy, handle_fields
+        self.template = template
+
+    def addresses(self, rows, topk_idx: torch.Tensor,
+                  weights: Optional[torch.Tensor]) -> Optional[list[int]]:
+        """The caller tensors' addresses in slot order, or None when this call cannot take the
+        plan: a tensor not contiguous or not 16-byte aligned, or the kernel no longer kept
+        (the compiled launcher rejected a launch once)."""
+        callers = [t for t in (topk_idx, weights, *rows) if t is not None]
+        inputs = [t.data_ptr() for t in callers]
+        if reduce(operator.or_, inputs) % 16 or not self.launcher.kept(self.variant):
+            return None
+        for tensor in callers:
+            if not tensor.is_contiguous():
+                return None
+        return inputs
+
+    def run(self, inputs: list[int], topk_idx: torch.Tensor, empty, stream) -> DispatchResult:
+        """Allocate the outputs with `empty(shape, dtype)`, launch on `stream` with `inputs`
+        (`addresses`), and return the outputs and the handle."""
+        shapes = self.outputs
+        block = empty((self.block_layout.words,), torch.int32)
+        recv_rows = [empty(shape, dtype) for shape, dtype in shapes.rows]
+        recv_weights = None if shapes.weights is None else empty(shapes.weights, torch.float32)
+        local_idx = None if shapes.idx is None else empty(shapes.idx, topk_idx.dtype)
+        outputs = [t for t in (block, *recv_rows, recv_weights, local_idx) if t is not None]
+        self.launcher.launch_untyped(self.variant, stream, self.template.fill(
+            inputs + [t.data_ptr() for t in outputs]))
+        tensors = TensorBlock(block, self.block_layout,
+                              None if self.copy else {"topk_idx": topk_idx})
+        handle = EPHandle(tensors, None, **self.handle_fields, backend_state=tensors)
+        return DispatchResult(recv_rows, local_idx, recv_weights, handle, prepared=self)
+
+
+@dataclass(frozen=True)
+class _OutputShapes:
+    """Shapes of a dispatch's outputs: (shape, dtype) of each received payload tensor, the
+    received weights' shape (None without weights), the local ids' shape (None in the expand
+    layout; their dtype is topk_idx's)."""
+
+    rows: tuple
+    weights: Optional[tuple]
+    idx: Optional[tuple]
 
 
 class SymmetricBackend(Backend):
@@ -433,15 +476,22 @@ class SymmetricBackend(Backend):
                                        request.expert_alignment) if request.do_expand else 0
         return R * M, num_expanded
 
+    def _output_shapes(self, request: DispatchRequest, num_rows: int,
+                       num_expanded: int) -> _OutputShapes:
+        K, expand = self.num_topk, request.do_expand
+        out_rows = num_expanded if expand else num_rows
+        return _OutputShapes(
+            tuple(((out_rows, *row.shape[1:]), row.dtype) for row in request.rows),
+            None if request.topk_weights is None else (out_rows,) if expand else (out_rows, K),
+            None if expand else (num_rows, K))
+
     def _outputs(self, request: DispatchRequest, num_rows: int, num_expanded: int) -> tuple:
         """(received payload rows, received weights or None, local ids or None (expand))."""
-        alloc, K, expand = request.alloc, self.num_topk, request.do_expand
-        out_rows = num_expanded if expand else num_rows
-        recv_rows = [alloc.empty((out_rows, *row.shape[1:]), row.dtype) for row in request.rows]
-        recv_weights = None
-        if request.topk_weights is not None:
-            recv_weights = alloc.empty((out_rows,) if expand else (out_rows, K), torch.float32)
-        local_idx = None if expand else alloc.empty((num_rows, K), request.topk_idx.dtype)
+        alloc, shapes = request.alloc, self._output_shapes(request, num_rows, num_expanded)
+        recv_rows = [alloc.empty(shape, dtype) for shape, dtype in shapes.rows]
+        recv_weights = None if shapes.weights is None else \
+            alloc.empty(shapes.weights, torch.float32)
+        local_idx = None if shapes.idx is None else alloc.empty(shapes.idx, request.topk_idx.dtype)
         return recv_rows, recv_weights, local_idx
 
     def _receive_parts(self, request: DispatchRequest, block: "TensorBlock", typed: bool) -> dict:
@@ -470,92 +520,85 @@ class SymmetricBackend(Backend):
         return dispatch_kernels.arguments(self.dispatch_stage, layout, sync, error, self.timeout,
                                           send, receive, do_send=do_send, typed=typed)
 
+    @staticmethod
+    def _handle_fields(request: DispatchRequest, num_rows: int, num_expanded: int) -> dict:
+        """The `EPHandle` fields of a dispatch but its tensors and host counts."""
+        return dict(num_experts=request.num_experts, expert_alignment=request.expert_alignment,
+                    num_max_tokens_per_rank=request.num_max_tokens_per_rank,
+                    do_expand=request.do_expand, do_cpu_sync=request.do_cpu_sync,
+                    num_recv_tokens=num_rows, num_expanded_tokens=num_expanded)
+
     def _result(self, request: DispatchRequest, block: "TensorBlock", recv_rows, recv_weights,
                 local_idx, counts_list: Optional[list[int]], num_rows: int,
                 num_expanded: int) -> DispatchResult:
-        handle = EPHandle(
-            tensors=block,
-            num_recv_tokens_per_expert_list=counts_list,
-            num_experts=request.num_experts,
-            expert_alignment=request.expert_alignment,
-            num_max_tokens_per_rank=request.num_max_tokens_per_rank,
-            do_expand=request.do_expand,
-            do_cpu_sync=request.do_cpu_sync,
-            num_recv_tokens=num_rows,
-            num_expanded_tokens=num_expanded,
-            backend_state=block,
-        )
+        handle = EPHandle(block, counts_list, **self._handle_fields(request, num_rows,
+                                                                     num_expanded),
+                          backend_state=block)
         return DispatchResult(recv_rows, local_idx, recv_weights, handle)
 
     def _dispatch_planned(self, request: DispatchRequest) -> Optional[DispatchResult]:
         """A sync-free dispatch through the `_SyncFreePlan` of its call shape (made by the
-        first such call), or None when it cannot take one (a caller pointer that is not 16-byte
-        aligned, or no kept kernel: under the interpreter, before warm-up)."""
+        first such call), or None when it cannot take one (a caller tensor that is not
+        contiguous or 16-byte aligned, or no kept kernel: under the interpreter, before
+        warm-up)."""
         rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
-        # Argument slots: the caller's tensors, then the outputs (the handle's block first).
-        callers = [t for t in (topk_idx, weights, *rows) if t is not None]
-        inputs = [t.data_ptr() for t in callers]
-        if reduce(operator.or_, inputs) % 16:
-            return None
-        copy = request.copy_topk_idx
         key = (topk_idx.shape[0], topk_idx.dtype, weights is None, len(rows), rows[0].dtype,
                request.num_experts, request.num_max_tokens_per_rank, request.expert_alignment,
-               request.do_expand, request.do_zero_padding, copy)
+               request.do_expand, request.do_zero_padding, request.copy_topk_idx)
         plan = self._plans.get(key)
         if plan is None:
-            layout, launcher = self._record_layout(rows)
-            variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32
-                                               if request.do_expand else topk_idx.dtype)
-            if not launcher.kept(variant):
+            plan = self._plan(request)
+            if plan is None:
                 return None
-            capacity = self._capacity(request)
-            block_layout = self._block_layout(topk_idx.shape[0], request.num_experts //
-                                              self.num_ranks, capacity[0],
-                                              topk_idx.dtype if copy else None)
-        elif not plan.launcher.kept(plan.variant):  # rejected by the compiled launcher once
+            self._plans[key] = plan
+        inputs = plan.addresses(rows, topk_idx, weights)
+        if inputs is None:
             return None
-        else:
-            block_layout, capacity = plan.block_layout, plan.capacity
-        block = TensorBlock(request.alloc.empty((block_layout.words,), torch.int32),
-                            block_layout, None if copy else {"topk_idx": topk_idx})
-        recv_rows, recv_weights, local_idx = self._outputs(request, *capacity)
-        outputs = [t for t in (block.block, *recv_rows, recv_weights, local_idx)
-                   if t is not None]
-        if plan is None:
-            hist = self._hist(request.num_experts // self.num_ranks, request.stream)
-            plan = self._plans[key] = _SyncFreePlan(
-                launcher, variant, block_layout, capacity,
-                self._template(request, layout, launcher, block, hist, capacity, recv_rows,
-                               recv_weights, local_idx, callers + outputs))
-        plan.launcher.launch_untyped(plan.variant, request.stream, plan.template.fill(
-            inputs + [t.data_ptr() for t in outputs]))
-        return self._result(request, block, recv_rows, recv_weights, local_idx, None, *capacity)
+        return plan.run(inputs, topk_idx, request.alloc.empty, request.stream)
 
-    def _template(self, request: DispatchRequest, layout: RecordLayout, launcher: Launcher,
-                  block: "TensorBlock", hist: torch.Tensor, capacity: tuple[int, int],
-                  recv_rows, recv_weights, local_idx,
-                  tensors: list[torch.Tensor]) -> ArgTemplate:
-        """The untyped arguments of a sync-free dispatch's launch (the constexpr tail
-        included), built by the same code as every other launch's, with tensor i of `tensors`
-        left open as address slot i."""
-        stand_ins = {id(t): Address(i, tuple(t.shape)) for i, t in enumerate(tensors)}
+    def _plan(self, request: DispatchRequest) -> Optional[_SyncFreePlan]:
+        """The plan of this sync-free call's shape, None if its kernel variant is not kept."""
+        rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
+        if not aligned(topk_idx, weights, *rows):
+            return None  # (the variant of an unaligned call is the generic path's)
+        layout, launcher = self._record_layout(rows)
+        variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32
+                                           if request.do_expand else topk_idx.dtype)
+        if not launcher.kept(variant):
+            return None
+        num_rows, num_expanded = self._capacity(request)
+        copy = request.copy_topk_idx
+        block_layout = self._block_layout(topk_idx.shape[0], request.num_experts //
+                                          self.num_ranks, num_rows,
+                                          topk_idx.dtype if copy else None)
+        shapes = self._output_shapes(request, num_rows, num_expanded)
+        # The launch's arguments, built by the same code as every other launch's, with an
+        # `Address` for each tensor, in the plan's slot order.
+        slots = itertools.count()
 
-        def open_slot(tensor):
-            return None if tensor is None else stand_ins[id(tensor)]
+        def stand_in(shape) -> Address:
+            return Address(next(slots), tuple(shape))
 
-        topk_idx, copy = open_slot(request.topk_idx), request.copy_topk_idx
-        block = TensorBlock(open_slot(block.block), block.layout,
-                            None if copy else {"topk_idx": topk_idx})
+        idx_slot = stand_in(topk_idx.shape)
+        weights_slot = None if weights is None else stand_in(weights.shape)
+        row_slots = [stand_in(row.shape) for row in rows]
+        block = TensorBlock(stand_in((block_layout.words,)), block_layout,
+                            None if copy else {"topk_idx": idx_slot})
+        recv_rows = [stand_in(shape) for shape, _ in shapes.rows]
+        recv_weights = None if shapes.weights is None else stand_in(shapes.weights)
+        local_idx = None if shapes.idx is None else stand_in(shapes.idx)
         counts, positions = self._scratch(False)[2:]
         send = dispatch_kernels.send_phase(
-            counts, positions, topk_idx, request.num_experts, open_slot(request.topk_weights),
-            [open_slot(row) for row in request.rows], layout, block.arg("slots", False),
-            block.arg("topk_idx", False) if copy else None, typed=False)
-        return ArgTemplate(self._receive_arguments(
-            request, layout, block, send, hist.data_ptr(), *capacity,
-            [open_slot(row) for row in recv_rows], open_slot(recv_weights),
-            open_slot(local_idx), do_send=True, typed=False) + launcher.tail,
-            base=block.address.slot)
+            counts, positions, idx_slot, request.num_experts, weights_slot, row_slots, layout,
+            block.arg("slots", False), block.arg("topk_idx", False) if copy else None,
+            typed=False)
+        hist = self._hist(request.num_experts // self.num_ranks, request.stream)
+        args = self._receive_arguments(
+            request, layout, block, send, hist.data_ptr(), num_rows, num_expanded, recv_rows,
+            recv_weights, local_idx, do_send=True, typed=False) + launcher.tail
+        return _SyncFreePlan(launcher, variant, block_layout, shapes, copy,
+                             self._handle_fields(request, num_rows, num_expanded),
+                             ArgTemplate(args, base=block.address.slot))
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
