@@ -114,6 +114,25 @@ def test_graph_capture_and_replay(backend: str) -> None:
     assert run_local_ranks(run_graph, 1, backend, SEED, pg_backend="nccl") == [4]
 
 
+def run_prepared_shapes(seed: int) -> int:
+    """Sync-free round trips on one symmetric buffer whose call shapes come back after others
+    (the second call of a shape takes the buffer's prepared call; 64 experts replace the
+    receive scratch the 8-expert plan points at), with stream options that leave the direct
+    path, each checked bitwise against the reference."""
+    buffer = Buffer(dist.group.WORLD, 64, 256, 4, backend="symmetric")
+    calls = [(8, {}), (8, {}), (8, dict(async_with_compute_stream=True)), (64, {}), (8, {}),
+             (8, {}), (8, dict(allocate_on_comm_stream=True, use_previous_event=True)),
+             (8, {}), (64, dict(do_expand=True)), (64, {})]
+    for count, (experts, options) in enumerate(calls):
+        check_round_trip(buffer, Case(num_experts=experts, do_cpu_sync=False, seed=seed + count,
+                                      **options))
+    return len(calls)
+
+
+def test_prepared_dispatch_across_call_shapes() -> None:
+    assert run_local_ranks(run_prepared_shapes, 1, SEED, pg_backend="nccl") == [10]
+
+
 def run_invalid_ids(backend: str, seed: int) -> str:
     """A sync-free GPU dispatch treats ids outside [-1, E) as -1 without reading back, and the
     next check reports them."""

@@ -247,11 +247,12 @@ def test_cuda_sync_free_and_graph():
                     "--tokens", "128", "--hidden", "512", "--no-bench"], check=True, env=env)
 
 
-def _launch_addresses(case_list):
-    """Every kernel launch of a dispatch, a cached dispatch and a combine per case, built typed
-    and untyped over the same tensors (the allocator hands both runs the same ones, launches
-    are recorded instead of run): (kernel, variant, typed, arguments with tensors as
-    addresses) per launch."""
+def _record_launches():
+    """A one-rank CPU symmetric buffer whose launches are recorded instead of run, and whose
+    allocations come from a pool that hands a later run the same tensors: (buffer, pool,
+    launches, state). `state["kept"]`: whether kernels count as kept (untyped launches);
+    `state["next"] = 0` restarts the pool. A launch is recorded as (kernel, variant, typed,
+    arguments with tensors as addresses)."""
     from epcomm.backends.base import OutputAllocator
     from epcomm.buffer import Buffer
     from epcomm.kernels.launcher import Launcher
@@ -265,7 +266,8 @@ def _launch_addresses(case_list):
             pool.append(torch.full(shape, 2, dtype=dtype))
         tensor = pool[index]
         assert tensor.shape == torch.Size(shape) and tensor.dtype == dtype, (index, shape, dtype)
-        alloc.allocated.append(tensor)
+        if alloc is not None:
+            alloc.allocated.append(tensor)
         return tensor
 
     def record(launcher, variant, stream, *args, typed=True):
@@ -280,6 +282,17 @@ def _launch_addresses(case_list):
     Launcher.launch_untyped = record_untyped
     Launcher.kept = lambda launcher, variant: state["kept"] and variant is not None
     buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", device="cpu")
+    # A prepared dispatch allocates without an allocator: from the pool too.
+    buffer._direct_empty = lambda shape, dtype: empty(None, shape, dtype)
+    return buffer, pool, launches, state
+
+
+def _launch_addresses(case_list):
+    """Every kernel launch of a dispatch, a cached dispatch and a combine per case, built typed
+    and untyped over the same tensors (the allocator hands both runs the same ones, launches
+    are recorded instead of run): (kernel, variant, typed, arguments with tensors as
+    addresses) per launch."""
+    buffer, pool, launches, state = _record_launches()
     results = []
     for case, (fp8, expand, sync, with_weights, biases, copy) in enumerate(case_list):
         x, idx, weights = _data(0, M - 1, 8, fp8, False, case)
@@ -332,3 +345,33 @@ def test_untyped_launches_pass_the_typed_addresses():
             assert got[:2] == want[:2], (case, got[:2], want[:2])
             assert got[3] == want[3], (case, got[0], [
                 (i, a, b) for i, (a, b) in enumerate(zip(got[3], want[3])) if a != b])
+
+
+def _scratch_address_per_call():
+    """Sync-free dispatches (kernels kept, launches recorded) with 8, 8, 64, 8, 8 experts: the
+    third grows the receive scratch, whose address the plans' arguments hold. Per call: the
+    number of experts, whether the launch got the scratch's current address, and whether each
+    plan the buffer keeps is stale."""
+    buffer, pool, launches, state = _record_launches()
+    state["kept"] = True
+    results = []
+    for experts in (8, 8, 64, 8, 8):
+        x, idx, weights = _data(0, M - 1, experts, False, False, 0)
+        pool.clear()
+        launches.clear()
+        state["next"] = 0
+        buffer.dispatch(x, idx, weights, num_experts=experts, do_cpu_sync=False)
+        scratch = buffer._impl._hist_scratch.data_ptr()
+        results.append((experts, [scratch in launch[3] for launch in launches],
+                        [plan.stale for plan in buffer._prepared.values()]))
+    return results
+
+
+def test_prepared_dispatch_follows_a_replaced_scratch():
+    """A plan kept by the buffer holds the receive scratch's address; when a call with more
+    local experts replaces the scratch, the old plans turn stale and the next call of their
+    shape makes a new plan instead of launching with the freed address."""
+    results = run_local_ranks(_scratch_address_per_call, 1)[0]
+    assert results == [(8, [True], [False]), (8, [True], [False]),
+                       (64, [True], [True, False]), (8, [True], [False, False]),
+                       (8, [True], [False, False])], results

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import os
@@ -115,6 +116,8 @@ class Buffer:
         self._direct_stream: Optional["torch.cuda.Stream"] = None
         self._direct_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._direct_alloc: Optional[OutputAllocator] = None  # the direct calls' allocator
+        # `empty(shape, dtype)` of a prepared dispatch on the current stream (no allocator).
+        self._direct_empty = functools.partial(torch.empty, device=self.device)
         self.num_sms = num_sms
         # Validated sync-free call shapes (`_call_shape`) -> the backend's prepared call.
         self._prepared: dict = {}
@@ -279,43 +282,64 @@ class Buffer:
             stream = self._streams[raw] = torch.cuda.current_stream(self.device)
         return stream
 
+    def _direct_stream_now(self, previous_event: Optional[EventOverlap],
+                           async_with_compute_stream: bool,
+                           allocate_on_comm_stream: bool) -> Optional["torch.cuda.Stream"]:
+        """The current stream, if a call that may skip the comm stream (see `_launch`) can run
+        on it now, else None: the current stream waits for the call anyway (no
+        `async_with_compute_stream`, no `previous_event` to wait on, outputs from its own pool),
+        this buffer's earlier calls are all queued on it (`_ordered_on`), its device is the
+        buffer's and it is not capturing. Then the call keeps the order the comm stream would
+        give, without the two event hand-offs or any `record_stream` (every tensor is used in
+        the current stream's order)."""
+        compute = self._current_stream()
+        if (compute is not self._ordered_on or async_with_compute_stream
+                or allocate_on_comm_stream
+                or (previous_event is not None and previous_event.event is not None)):
+            return None
+        # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
+        if torch._C._cuda_getDevice() != self.device.index or \
+                torch._C._cuda_isCurrentStreamCapturing():  # (torch.cuda wraps it: 1 us)
+            return None
+        return compute
+
     def _launch(self, work, inputs: Sequence[Optional[torch.Tensor]],
                 previous_event: Optional[EventOverlap], async_with_compute_stream: bool,
                 allocate_on_comm_stream: bool, host_reads: bool):
         """Run `work(alloc, stream)` with the contract's stream rules; `work` queues its device
         work on `stream`.
 
-        A call the current stream waits for anyway (no `async_with_compute_stream`, no
-        `previous_event`, outputs from the current stream's pool) of a backend that queues its
-        work on a named stream (`explicit_streams`), reading nothing back (`host_reads` False)
-        and needing no copies, runs on the current stream itself when this buffer's earlier
-        calls are all queued there too (`_ordered_on`): the same order as through the comm
-        stream, without the two event hand-offs or any `record_stream` (every tensor is used in
-        the current stream's order). Otherwise the comm stream runs it; it is made current
+        A call the current stream waits for anyway of a backend that queues its work on a
+        named stream (`explicit_streams`), reading nothing back (`host_reads` False) and
+        needing no copies (contiguous inputs) runs on the current stream itself when
+        `_direct_stream_now` allows it. Otherwise the comm stream runs it; it is made current
         only when `work` needs that (switching costs host time)."""
         self._check_alive()
         if self.device.type != "cuda":
             return work(OutputAllocator(self.device), None), EventOverlap()
         self._drain_pending()
-        compute = self._current_stream()
-        # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
-        same_device = torch._C._cuda_getDevice() == self.device.index
-        direct = same_device and not host_reads and self._impl.explicit_streams
+        direct = not host_reads and self._impl.explicit_streams
         for tensor in inputs:
             if direct and tensor is not None:
                 direct = tensor.is_contiguous()
+        if direct:
+            stream = self._direct_stream_now(previous_event, async_with_compute_stream,
+                                             allocate_on_comm_stream)
+            if stream is not None:
+                alloc = self._direct_alloc  # (a new allocator costs 1-2 us of host time)
+                if alloc is None or alloc.stream is not stream:
+                    alloc = self._direct_alloc = OutputAllocator(self.device, stream, stream,
+                                                                 remember=False)
+                result = work(alloc, stream)
+                self._direct_stream = stream
+                return result, EventOverlap(stream=stream)  # recorded when first needed
+        compute = self._current_stream()
+        # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
+        same_device = torch._C._cuda_getDevice() == self.device.index
         # Never while capturing: an event recorded in a capture cannot be waited on after it.
         capturing = torch._C._cuda_isCurrentStreamCapturing()  # (torch.cuda wraps it: 1 us)
         entry_event = None if previous_event is None else previous_event.event
-        if (direct and compute is self._ordered_on and not async_with_compute_stream
-                and not capturing and not allocate_on_comm_stream and entry_event is None):
-            alloc = self._direct_alloc  # (a new allocator costs 1-2 us of host time)
-            if alloc is None or alloc.stream is not compute:
-                alloc = self._direct_alloc = OutputAllocator(self.device, compute, compute,
-                                                             remember=False)
-            result = work(alloc, compute)
-            self._direct_stream = compute
-            return result, EventOverlap(stream=compute)  # recorded when first needed
+        switch = not (direct and same_device)
         comm = self.get_comm_stream()
         used = [t for t in inputs if t is not None]
         if self._direct_stream is not None:
@@ -332,7 +356,6 @@ class Buffer:
         else:
             self._entry_event.record(compute)  # what `comm.wait_stream(compute)` does, one
             comm.wait_event(self._entry_event)  # Event object fewer
-        switch = not direct
         alloc = OutputAllocator(self.device, comm if allocate_on_comm_stream else compute,
                                 comm if switch else compute)
         if switch:
@@ -422,7 +445,7 @@ class Buffer:
             handle: `EPHandle` for combine and cached dispatch.
             event: `EventOverlap` on the comm stream.
         """
-        shape = prepared = inputs = None
+        shape = prepared = None
         if not do_cpu_sync and handle is None:
             rows = tuple(x) if isinstance(x, (tuple, list)) else (x,)
             shape = _call_shape(rows, topk_idx, topk_weights, num_experts,
@@ -430,27 +453,57 @@ class Buffer:
                                 do_zero_padding, do_handle_copy, previous_event is not None,
                                 allocate_on_comm_stream)
             prepared = self._prepared.get(shape)
-            if prepared is not None:
-                inputs = prepared.addresses(rows, topk_idx, topk_weights)
-        if inputs is not None:
-            # A call shape validated before, whose backend call is prepared: no request.
-            if self.device.type == "cpu":
-                _check_expert_ids(topk_idx, num_experts)
-
-            def work(alloc: OutputAllocator, stream):
-                return prepared.run(inputs, topk_idx, alloc.empty, stream)
-        else:
-            rows, topk_idx, topk_weights, work = self._dispatch_work(
-                x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank,
-                expert_alignment, do_cpu_sync, do_expand, do_zero_padding, handle,
-                previous_event, allocate_on_comm_stream, do_handle_copy)
+            addresses = None if prepared is None else \
+                prepared.addresses(rows, topk_idx, topk_weights)
+            if addresses is not None:
+                return self._dispatch_prepared(prepared, addresses, rows, topk_idx, topk_weights,
+                                               num_experts, previous_event,
+                                               async_with_compute_stream, allocate_on_comm_stream)
+        rows, topk_idx, topk_weights, work = self._dispatch_work(
+            x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
+            do_cpu_sync, do_expand, do_zero_padding, handle, previous_event,
+            allocate_on_comm_stream, do_handle_copy)
         result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
                                      async_with_compute_stream, allocate_on_comm_stream,
                                      host_reads=do_cpu_sync)
         if do_cpu_sync and self.device.type == "cuda":
             self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
-        if shape is not None and prepared is None and result.prepared is not None:
-            self._prepared[shape] = result.prepared
+        if shape is not None and result.prepared not in (None, prepared):
+            self._prepared[shape] = result.prepared  # (replacing a stale one)
+        return self._dispatch_returns(result, rows, handle, event)
+
+    def _dispatch_prepared(self, prepared, addresses: list[int], rows, topk_idx: torch.Tensor,
+                           topk_weights: Optional[torch.Tensor], num_experts: int,
+                           previous_event: Optional[EventOverlap],
+                           async_with_compute_stream: bool, allocate_on_comm_stream: bool):
+        """A sync-free dispatch of a call shape validated before, through the backend's
+        prepared call (`DispatchResult.prepared`): no validation and no request. On the current
+        stream when `_direct_stream_now` allows it (the plan checked the tensors: `addresses`),
+        else through `_launch`."""
+        self._check_alive()
+        if self.device.type == "cuda":
+            self._drain_pending()
+            stream = self._direct_stream_now(previous_event, async_with_compute_stream,
+                                             allocate_on_comm_stream)
+            if stream is None:
+                def work(alloc: OutputAllocator, stream):
+                    return prepared.run(addresses, topk_idx, alloc.empty, stream)
+
+                result, event = self._launch(work, [*rows, topk_idx, topk_weights],
+                                             previous_event, async_with_compute_stream,
+                                             allocate_on_comm_stream, host_reads=False)
+                return self._dispatch_returns(result, rows, None, event)
+            self._direct_stream = stream
+            event = EventOverlap(stream=stream)  # recorded when first needed
+        else:
+            _check_expert_ids(topk_idx, num_experts)  # (CPU tensors: the values are at hand)
+            stream, event = None, EventOverlap()
+        result = prepared.run(addresses, topk_idx, self._direct_empty, stream)
+        return self._dispatch_returns(result, rows, None, event)
+
+    def _dispatch_returns(self, result, rows, handle: Optional[EPHandle], event: EventOverlap):
+        """`Buffer.dispatch`'s returns from the backend's `result` (`handle`: the caller's, of
+        a cached dispatch)."""
         new_handle = result.handle
         if handle is not None:
             new_handle = handle

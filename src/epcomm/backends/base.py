@@ -79,7 +79,9 @@ class DispatchResult:
     prepared: the backend's prepared call of this sync-free call shape, or None. `Buffer` keeps
     it for later calls with the same validated arguments and then skips the request:
     `prepared.addresses(rows, topk_idx, topk_weights)` (None: this call cannot take it), then
-    `prepared.run(addresses, topk_idx, alloc.empty, stream)` -> a `DispatchResult`.
+    `prepared.run(addresses, topk_idx, empty, stream)` -> a `DispatchResult`, where
+    `empty(shape, dtype=dtype)` allocates (`OutputAllocator.empty`, or `torch.empty` on the
+    current stream); `prepared.stale`: never run it again (make a new one).
     """
 
     recv_rows: list[torch.Tensor]

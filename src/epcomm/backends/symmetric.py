@@ -179,44 +179,54 @@ class _SyncFreePlan:
     launch's `ArgTemplate`, in this order: topk_idx, weights (if any), the payload rows, then
     the handle's block, the received rows, the received weights (if any), the local ids
     (compact). `Buffer` keeps the plan for later calls with the same validated arguments
-    (`DispatchResult.prepared`)."""
+    (`DispatchResult.prepared`). `stale`: the backend replaced a scratch tensor whose address
+    the arguments hold; the plan is never run again."""
 
     def __init__(self, launcher: Launcher, variant: tuple, block_layout: "BlockLayout",
-                 outputs: "_OutputShapes", copy: bool, handle_fields: dict,
-                 template: ArgTemplate) -> None:
+                 outputs: "_OutputShapes", idx_dtype: torch.dtype, copy: bool,
+                 handle_fields: dict, template: ArgTemplate) -> None:
         self.launcher, self.variant, self.block_layout = launcher, variant, block_layout
-        self.outputs, self.copy, self.handle_fields = outputs, copy, handle_fields
-        self.template = template
+        self.copy, self.handle_fields, self.template = copy, handle_fields, template
+        # (shape, dtype) of each output in slot order, and where the optional ones are in it.
+        self.allocations = [((block_layout.words,), torch.int32), *outputs.rows]
+        self.rows_end = len(self.allocations)
+        self.weights_at = self.idx_at = None
+        if outputs.weights is not None:
+            self.weights_at = len(self.allocations)
+            self.allocations.append((outputs.weights, torch.float32))
+        if outputs.idx is not None:
+            self.idx_at = len(self.allocations)
+            self.allocations.append((outputs.idx, idx_dtype))
+        self.stale = False
 
     def addresses(self, rows, topk_idx: torch.Tensor,
                   weights: Optional[torch.Tensor]) -> Optional[list[int]]:
         """The caller tensors' addresses in slot order, or None when this call cannot take the
-        plan: a tensor not contiguous or not 16-byte aligned, or the kernel no longer kept
-        (the compiled launcher rejected a launch once)."""
-        callers = [t for t in (topk_idx, weights, *rows) if t is not None]
-        inputs = [t.data_ptr() for t in callers]
-        if reduce(operator.or_, inputs) % 16 or not self.launcher.kept(self.variant):
+        plan: a tensor not contiguous or not 16-byte aligned, the kernel no longer kept (the
+        compiled launcher rejected a launch once), or the plan stale."""
+        callers = (topk_idx, *rows) if weights is None else (topk_idx, weights, *rows)
+        addresses = [tensor.data_ptr() for tensor in callers]
+        if self.stale or reduce(operator.or_, addresses) % 16 or \
+                not self.launcher.kept(self.variant):
             return None
         for tensor in callers:
             if not tensor.is_contiguous():
                 return None
-        return inputs
+        return addresses
 
-    def run(self, inputs: list[int], topk_idx: torch.Tensor, empty, stream) -> DispatchResult:
-        """Allocate the outputs with `empty(shape, dtype)`, launch on `stream` with `inputs`
-        (`addresses`), and return the outputs and the handle."""
-        shapes = self.outputs
-        block = empty((self.block_layout.words,), torch.int32)
-        recv_rows = [empty(shape, dtype) for shape, dtype in shapes.rows]
-        recv_weights = None if shapes.weights is None else empty(shapes.weights, torch.float32)
-        local_idx = None if shapes.idx is None else empty(shapes.idx, topk_idx.dtype)
-        outputs = [t for t in (block, *recv_rows, recv_weights, local_idx) if t is not None]
+    def run(self, addresses: list[int], topk_idx: torch.Tensor, empty, stream) -> DispatchResult:
+        """Allocate the outputs with `empty(shape, dtype=dtype)`, launch on `stream` with the caller
+        tensors' `addresses` (`addresses()`), and return the outputs and the handle."""
+        outputs = [empty(shape, dtype=dtype) for shape, dtype in self.allocations]
         self.launcher.launch_untyped(self.variant, stream, self.template.fill(
-            inputs + [t.data_ptr() for t in outputs]))
-        tensors = TensorBlock(block, self.block_layout,
+            addresses + [tensor.data_ptr() for tensor in outputs]))
+        tensors = TensorBlock(outputs[0], self.block_layout,
                               None if self.copy else {"topk_idx": topk_idx})
         handle = EPHandle(tensors, None, **self.handle_fields, backend_state=tensors)
-        return DispatchResult(recv_rows, local_idx, recv_weights, handle, prepared=self)
+        return DispatchResult(outputs[1:self.rows_end],
+                              None if self.idx_at is None else outputs[self.idx_at],
+                              None if self.weights_at is None else outputs[self.weights_at],
+                              handle, prepared=self)
 
 
 @dataclass(frozen=True)
@@ -304,7 +314,9 @@ class SymmetricBackend(Backend):
         if self._hist_scratch.numel() < need:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 self._hist_scratch = torch.zeros(need, dtype=torch.int32, device=self.device)
-            self._plans.clear()  # their arguments hold the old scratch's address
+            for plan in self._plans.values():  # their arguments hold the old scratch's address
+                plan.stale = True
+            self._plans.clear()
         return self._hist_scratch
 
     def _warm_up(self) -> None:
@@ -596,7 +608,7 @@ class SymmetricBackend(Backend):
         args = self._receive_arguments(
             request, layout, block, send, hist.data_ptr(), num_rows, num_expanded, recv_rows,
             recv_weights, local_idx, do_send=True, typed=False) + launcher.tail
-        return _SyncFreePlan(launcher, variant, block_layout, shapes, copy,
+        return _SyncFreePlan(launcher, variant, block_layout, shapes, topk_idx.dtype, copy,
                              self._handle_fields(request, num_rows, num_expanded),
                              ArgTemplate(args, base=block.address.slot))
 
