@@ -150,11 +150,44 @@ def host(tokens, hidden, topk, experts):
     for name, call in (("dispatch", dispatch), ("combine", combine)):
         print(f"\ncProfile of 50 {name} calls, by own time (us per call include its overhead):")
         print(_profile(call))
+    print(_pieces_taken_away(buffer, dispatch, device))
     print("\nLaunchers: compiled variants kept, generic launches, why the fast path is off")
     print("| kernel | variants | generic launches | fallback |\n|---|---|---|---|")
     for launcher in _launchers(buffer):
         print(f"| {getattr(launcher.fn, '__name__', launcher.fn)} | {len(launcher.compiled)} "
               f"| {launcher.generic_launches} | {launcher.fallback} |")
+
+
+def _pieces_taken_away(buffer, dispatch, device, calls: int = 200) -> str:
+    """The sync-free dispatch's host time with its pieces taken away one after the other (no
+    profiler to inflate small calls): the full call, the launch stubbed (nothing runs), then
+    also the four allocations (the same cached outputs every call). The differences are the
+    launch and the allocations; the rest is the Python and the stream checks."""
+    from epcomm.kernels.launcher import Launcher
+    outputs = {}
+
+    def cached_empty(shape, dtype):
+        key = (tuple(shape), dtype)
+        if key not in outputs:
+            outputs[key] = torch.empty(shape, dtype=dtype, device=device)
+        return outputs[key]
+
+    lines = [f"\nSync-free dispatch, pieces taken away (median of {calls} calls back to back):",
+             "| dispatch | us |", "|---|---|"]
+    launch, empty = Launcher.launch_untyped, buffer._direct_empty
+    full = median_host_us(dispatch, calls, idle=False)
+    try:
+        Launcher.launch_untyped = lambda self, variant, stream, args: None
+        no_launch = median_host_us(dispatch, calls, idle=False)
+        buffer._direct_empty = cached_empty
+        rest = median_host_us(dispatch, calls, idle=False)
+    finally:
+        Launcher.launch_untyped, buffer._direct_empty = launch, empty
+    lines += [f"| whole call | {full:.1f} |", f"| launch stubbed | {no_launch:.1f} |",
+              f"| launch stubbed, outputs cached (Python and stream checks) | {rest:.1f} |",
+              f"| = the launch | {full - no_launch:.1f} |",
+              f"| = the four allocations | {no_launch - rest:.1f} |"]
+    return "\n".join(lines)
 
 
 class _Timers:
