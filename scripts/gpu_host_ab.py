@@ -1,6 +1,6 @@
 """A/B of the host time per call of two trees on the GPU machine, alternated.
 
-    python3 scripts/gpu_host_ab.py REV_A REV_B [--rounds 3]
+    python3 scripts/gpu_host_ab.py REV_A REV_B [REV_C ...] [--rounds 3]
 
 The GPU machine's host is noisy (session 8: the same `torch.empty` took 2.6-5.4 us in one
 morning, and back-to-back runs of one tree differed by 1.7x), so a figure is only comparable to
@@ -70,9 +70,11 @@ def _run(tree: Path) -> dict[str, float]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("trees", nargs=2, help="git revisions or directories")
+    parser.add_argument("trees", nargs="+", help="two or more git revisions or directories")
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
+    if len(args.trees) < 2:
+        parser.error("give at least two trees to compare")
     figures: dict[str, list[dict[str, float]]] = {spec: [] for spec in args.trees}
     names = [name for name in ROWS.values() if name != "yardstick"]
     print("| round | tree | yardstick us | " + " | ".join(f"{n} us (x)" for n in names) + " |")

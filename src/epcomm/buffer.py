@@ -459,14 +459,14 @@ class Buffer:
                 return self._dispatch_prepared(prepared, addresses, rows, topk_idx, topk_weights,
                                                num_experts, previous_event,
                                                async_with_compute_stream, allocate_on_comm_stream)
-        rows, topk_idx, topk_weights, work = self._dispatch_work(
+        rows, topk_idx, topk_weights, sync, work = self._dispatch_work(
             x, topk_idx, topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
             do_cpu_sync, do_expand, do_zero_padding, handle, previous_event,
             allocate_on_comm_stream, do_handle_copy)
         result, event = self._launch(work, [*rows, topk_idx, topk_weights], previous_event,
                                      async_with_compute_stream, allocate_on_comm_stream,
-                                     host_reads=do_cpu_sync)
-        if do_cpu_sync and self.device.type == "cuda":
+                                     host_reads=sync)
+        if sync and self.device.type == "cuda":
             self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
         if shape is not None and result.prepared not in (None, prepared):
             self._prepared[shape] = result.prepared  # (replacing a stale one)
@@ -518,7 +518,8 @@ class Buffer:
                        expert_alignment, do_cpu_sync, do_expand, do_zero_padding, handle,
                        previous_event, allocate_on_comm_stream, do_handle_copy):
         """Validate a dispatch's arguments (raising before any communication): (payload rows,
-        topk_idx, topk_weights, `work(alloc, stream)` that runs the backend's dispatch)."""
+        topk_idx, topk_weights, whether the call reads the host (`do_cpu_sync`, a cached
+        dispatch's from its handle), `work(alloc, stream)` that runs the backend's dispatch)."""
         max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
             else num_max_tokens_per_rank
         if not (isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank):
@@ -544,7 +545,7 @@ class Buffer:
                 do_zero_padding=do_zero_padding, cached=handle, alloc=alloc,
                 copy_topk_idx=copy_topk_idx, stream=stream))
 
-        return rows, topk_idx, topk_weights, work
+        return rows, topk_idx, topk_weights, do_cpu_sync, work
 
     def combine(self, x: torch.Tensor, handle: EPHandle,
                 topk_weights: Optional[torch.Tensor] = None,
