@@ -375,3 +375,43 @@ def test_prepared_dispatch_follows_a_replaced_scratch():
     assert results == [(8, [True], [False]), (8, [True], [False]),
                        (64, [True], [True, False]), (8, [True], [False, False]),
                        (8, [True], [False, False])], results
+
+
+def test_remember_example():
+    from epcomm.backends.base import remember
+    cache = {"a": 1, "b": 2}
+    assert remember(cache, "c", 3, limit=2) == 1 and cache == {"b": 2, "c": 3}
+    assert remember(cache, "b", 4, limit=2) is None and cache == {"b": 4, "c": 3}
+
+
+def _plans_beyond_the_limit():
+    """Sync-free dispatches (kernels kept, launches recorded) of 7, 6, 5, 7, 7 tokens with the
+    per-call-shape caches limited to 2 entries. Per call: the tokens, the sizes of the backend's
+    plans and the buffer's prepared calls, whether the first 7-token plan is stale, and whether
+    the launch was untyped (through a plan)."""
+    from epcomm.backends import base
+    base.CACHE_LIMIT = 2
+    buffer, pool, launches, state = _record_launches()
+    state["kept"] = True
+    results, first = [], None
+    for tokens in (7, 6, 5, 7, 7):
+        x, idx, weights = _data(0, tokens, 8, False, False, 0)
+        pool.clear()
+        launches.clear()
+        state["next"] = 0
+        buffer.dispatch(x, idx, weights, num_experts=8, do_cpu_sync=False)
+        first = first or next(iter(buffer._prepared.values()))
+        results.append((tokens, len(buffer._impl._plans), len(buffer._prepared), first.stale,
+                        [launch[2] for launch in launches]))
+    return results
+
+
+def test_plan_caches_drop_the_oldest_and_mark_it_stale():
+    """A loop whose token count changes every call keeps at most `CACHE_LIMIT` plans: the
+    oldest is dropped and marked stale (a buffer may still hold it), and a call of its shape
+    later makes a new plan."""
+    results = run_local_ranks(_plans_beyond_the_limit, 1)[0]
+    assert results == [(7, 1, 1, False, [False]), (6, 2, 2, False, [False]),
+                       (5, 2, 2, True, [False]), (7, 2, 2, True, [False]),
+                       (7, 2, 2, True, [False])], results
+

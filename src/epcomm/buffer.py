@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from . import errors
 from .backends import make_backend
-from .backends.base import CombineRequest, DispatchRequest, OutputAllocator
+from .backends.base import CombineRequest, DispatchRequest, OutputAllocator, remember
 from .events import EventOverlap
 from .handle import EPHandle
 
@@ -469,7 +469,7 @@ class Buffer:
         if sync and self.device.type == "cuda":
             self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
         if shape is not None and result.prepared not in (None, prepared):
-            self._prepared[shape] = result.prepared  # (replacing a stale one)
+            remember(self._prepared, shape, result.prepared)  # (or replacing a stale one)
         return self._dispatch_returns(result, rows, handle, event)
 
     def _dispatch_prepared(self, prepared, addresses: list[int], rows, topk_idx: torch.Tensor,

@@ -14,6 +14,25 @@ import torch
 from ..handle import EPHandle
 
 
+# Entries a per-call-shape cache keeps (plans, layouts): a loop whose token count changes every
+# call makes one entry per count, a few KB each; the oldest go first.
+CACHE_LIMIT = 1024
+
+
+def remember(cache: dict, key, value, limit: Optional[int] = None):
+    """`cache[key] = value`, first dropping the oldest entry when `cache` holds `limit`
+    entries (default `CACHE_LIMIT`): returns the dropped value, or None.
+
+    Example: with `cache = {"a": 1, "b": 2}`, `remember(cache, "c", 3, limit=2)` returns 1 and
+    leaves `{"b": 2, "c": 3}`; `remember(cache, "b", 4, limit=2)` then returns None."""
+    limit = CACHE_LIMIT if limit is None else limit
+    dropped = None
+    if key not in cache and len(cache) >= limit:
+        dropped = cache.pop(next(iter(cache)))
+    cache[key] = value
+    return dropped
+
+
 class OutputAllocator:
     """Allocates output tensors from a chosen CUDA stream's pool (or plainly on CPU), and
     remembers them in `allocated` (unless `remember` is False: an allocator kept for many

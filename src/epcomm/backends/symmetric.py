@@ -51,7 +51,7 @@ from ..kernels.launcher import (Address, ArgTemplate, KernelShape, Launcher, Sta
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
 from ..symm_heap import SymmetricHeap, all_gather_objects, heap_reachable
-from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
+from .base import Backend, CombineRequest, DispatchRequest, DispatchResult, remember
 
 FP8_BLOCK = 128
 _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, counting pass)
@@ -180,7 +180,8 @@ class _SyncFreePlan:
     the handle's block, the received rows, the received weights (if any), the local ids
     (compact). `Buffer` keeps the plan for later calls with the same validated arguments
     (`DispatchResult.prepared`). `stale`: the backend replaced a scratch tensor whose address
-    the arguments hold; the plan is never run again."""
+    the arguments hold, or dropped the plan from its cache (it would not hear of the next
+    replacement); the plan is never run again."""
 
     def __init__(self, launcher: Launcher, variant: tuple, block_layout: "BlockLayout",
                  outputs: "_OutputShapes", idx_dtype: torch.dtype, copy: bool,
@@ -403,7 +404,8 @@ class SymmetricBackend(Backend):
                 parts.append(("recv_src_metadata", (num_rows, K + 2), i32))
             if idx_copy_dtype is not None:
                 parts.append(("topk_idx", (num_tokens, K), idx_copy_dtype))
-            layout = self._block_layouts[key] = BlockLayout(parts)
+            layout = BlockLayout(parts)
+            remember(self._block_layouts, key, layout)
         return layout
 
     def _scratch(self, typed: bool) -> tuple:
@@ -562,7 +564,9 @@ class SymmetricBackend(Backend):
             plan = self._plan(request)
             if plan is None:
                 return None
-            self._plans[key] = plan
+            dropped = remember(self._plans, key, plan)
+            if dropped is not None:
+                dropped.stale = True  # a `Buffer` may still keep it: only plans here are updated
         inputs = plan.addresses(rows, topk_idx, weights)
         if inputs is None:
             return None
