@@ -1,4 +1,4 @@
-"""A/B of the host time per call of two trees on the GPU machine, alternated.
+"""A/B of the host time per call of two or more trees on the GPU machine, alternated.
 
     python3 scripts/gpu_host_ab.py REV_A REV_B [REV_C ...] [--rounds 3]
 
@@ -8,8 +8,10 @@ one from the same process. Each tree (a git revision, whose `src` and `scripts` 
 or a directory such as `.` for the working tree) runs `scripts/gpu_tune.py --host --no-tiles`
 in its own process, trees alternated `rounds` times. Printed per process: the sync-free
 dispatch and combine host time (median us, GPU idle before each call, and back to back) and
-each as a multiple of the same process's yardstick (an empty 26-argument Triton launch); then
-the median multiple per tree, and what it comes to at a reference yardstick (session 7's 22.3 us).
+each as a multiple of the same process's yardstick (an empty 26-argument Triton launch: where
+the tree's `gpu_tune.py` prints it, the multiple timed in pairs, yardstick then call in every
+round, else the ratio of the two medians); then the median multiple per tree, and what it comes
+to at a reference yardstick (session 7's 22.3 us).
 
 The device tool copies the working tree without its git history: there, pass directories,
 made here beforehand (`mkdir ab_x && git archive REV src scripts | tar -x -C ab_x`, untracked).
@@ -30,21 +32,36 @@ ROWS = {"empty Triton launch, 26 arguments": "yardstick",
         "Buffer.dispatch, back to back": "dispatch b2b",
         "Buffer.combine": "combine idle",
         "Buffer.combine, back to back": "combine b2b"}
+# Row labels of its table of multiples timed in pairs (each round times the yardstick, then the
+# call: robust to the host's drift within a process), from session 9 on -> "paired " + name.
+PAIRED_ROWS = {"dispatch idle": "dispatch idle", "dispatch back to back": "dispatch b2b",
+               "combine idle": "combine idle", "combine back to back": "combine b2b"}
 REFERENCE_YARDSTICK_US = 22.3  # session 7's, the host speed the 40 us goal was judged at
 
 
 def parse_host_table(text: str) -> dict[str, float]:
-    """The `ROWS` figures of a `gpu_tune.py --host` log: the first two-cell row of each label
-    (later tables reuse labels with more cells)."""
+    """The `ROWS` figures of a `gpu_tune.py --host` log (the first two-cell row of each label:
+    later tables reuse labels with more cells), and the `PAIRED_ROWS` multiples where the log
+    has them (as "paired dispatch idle", ...)."""
     found: dict[str, float] = {}
     for line in text.splitlines():
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        if len(cells) == 2 and cells[0] in ROWS and ROWS[cells[0]] not in found:
-            found[ROWS[cells[0]]] = float(cells[1])
+        if len(cells) != 2:
+            continue
+        name = ROWS.get(cells[0]) or ("paired " + PAIRED_ROWS[cells[0]]
+                                      if cells[0] in PAIRED_ROWS else None)
+        if name is not None and name not in found:
+            found[name] = float(cells[1])
     missing = set(ROWS.values()) - set(found)
     if missing:
         raise ValueError(f"no {sorted(missing)} in the host table")
     return found
+
+
+def multiple(figures: dict[str, float], name: str) -> float:
+    """`name`'s host time as a multiple of the yardstick: the paired figure where the log has
+    one, else the call's median over the yardstick's median."""
+    return figures.get("paired " + name, figures[name] / figures["yardstick"])
 
 
 def _tree(spec: str, workdir: Path) -> Path:
@@ -85,14 +102,13 @@ def main():
             for spec, tree in trees.items():
                 got = _run(tree)
                 figures[spec].append(got)
-                cells = " | ".join(f"{got[n]:.1f} ({got[n] / got['yardstick']:.2f})"
-                                   for n in names)
+                cells = " | ".join(f"{got[n]:.1f} ({multiple(got, n):.2f})" for n in names)
                 print(f"| {round_} | {spec} | {got['yardstick']:.1f} | {cells} |", flush=True)
     print(f"\nMedian multiple of the yardstick per tree (us at a {REFERENCE_YARDSTICK_US} us "
           "yardstick):")
     print("| tree | " + " | ".join(names) + " |\n" + "|---" * (1 + len(names)) + "|")
     for spec, runs in figures.items():
-        medians = [statistics.median(r[n] / r["yardstick"] for r in runs) for n in names]
+        medians = [statistics.median(multiple(r, n) for r in runs) for n in names]
         print(f"| {spec} | " + " | ".join(f"{m:.2f} ({m * REFERENCE_YARDSTICK_US:.1f})"
                                           for m in medians) + " |")
 

@@ -10,9 +10,11 @@
    (an A/B of two trees: run it once with each tree's `src` on PYTHONPATH).
 2. With `--host`: the median host time of pieces of a call with the GPU idle before each (a
    torch.empty, a stream switch, an empty Triton launch with as many arguments as ours, a whole
-   dispatch and combine), then where the host time of a dispatch and of a combine goes
-   (inclusive time of the layers and torch calls it makes, by wrapping them), a cProfile of
-   each, and whether every launch after warm-up skipped Triton's generic launch path.
+   dispatch and combine); each call as a multiple of the empty launch, the two timed one after
+   the other in every round (`host_timing.paired_multiple`); then where the host time of a
+   dispatch and of a combine goes (inclusive time of the layers and torch calls it makes, by
+   wrapping them), a cProfile of each, the dispatch with its pieces taken away, and whether
+   every launch after warm-up skipped Triton's generic launch path.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import triton
 import triton.language as tl
 
 from epcomm.launch import run_local_ranks
-from host_timing import median_host_us, sync_free_calls
+from host_timing import median_host_us, paired_multiple, sync_free_calls
 
 CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
     (16, 512, 8, 16, 512, 16),
@@ -144,6 +146,11 @@ def host(tokens, hidden, topk, experts):
     # As in a training loop: calls queued back to back, the host never waiting for the GPU.
     for name, fn in (("dispatch", dispatch), ("combine", combine)):
         print(f"| Buffer.{name}, back to back | {median_host_us(fn, idle=False):.1f} |")
+    yardstick = pieces[2][1]
+    print("\n| call / yardstick, paired | multiple |\n|---|---|")
+    for name, fn in (("dispatch", dispatch), ("combine", combine)):
+        for label, idle in (("idle", True), ("back to back", False)):
+            print(f"| {name} {label} | {paired_multiple(fn, yardstick, idle=idle):.2f} |")
     for name, call in (("dispatch", dispatch), ("combine", combine)):
         print(f"\nInclusive host us per {name} call (10 calls, GPU idle before each):")
         print(_breakdown(call))

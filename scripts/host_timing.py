@@ -2,6 +2,7 @@
 cpu_host_glue)."""
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -22,6 +23,29 @@ def median_host_us(fn, iters: int = 20, warmup: int = 1, idle: bool = True) -> f
         samples.append(time.perf_counter() - begin)
     torch.cuda.synchronize()
     return sorted(samples)[iters // 2] * 1e6
+
+
+def paired_multiple(fn, yardstick, iters: int = 40, idle: bool = True, sync=None) -> float:
+    """Median over `iters` rounds of `fn`'s host time divided by `yardstick`'s, the two timed
+    one right after the other in each round so that both see the same host speed (on the GPU
+    machine it drifts within a process: in session 9 the yardstick ran at 25-49 us within one
+    hour, and processes whose one yardstick figure came out slow gave multiples below 1).
+    `idle`: `sync()` (default `torch.cuda.synchronize`) before each timed call."""
+    sync = torch.cuda.synchronize if sync is None else sync
+    fn()
+    yardstick()
+    ratios = []
+    for _ in range(iters):
+        seconds = []
+        for call in (yardstick, fn):
+            if idle:
+                sync()
+            begin = time.perf_counter()
+            call()
+            seconds.append(time.perf_counter() - begin)
+        ratios.append(seconds[1] / seconds[0])
+    sync()
+    return statistics.median(ratios)
 
 
 def sync_free_calls(buffer, x, topk_idx, topk_weights, num_experts: int, **options):
