@@ -173,6 +173,8 @@ def _pieces_taken_away(buffer, dispatch, device, calls: int = 200) -> str:
     the Python and the stream checks. Idle minus back to back says which piece pays for starting
     after the host waited (8-9 us of the whole call since session 7)."""
     from epcomm.kernels.launcher import Launcher
+    if not hasattr(buffer, "_direct_empty"):  # (a tree before session 9, in an A/B)
+        return "\nSync-free dispatch, pieces taken away: this tree has no Buffer._direct_empty"
     outputs = {}
 
     def cached_empty(shape, dtype):
