@@ -186,8 +186,9 @@ class ArgTemplate:
     def fill(self, addresses: Sequence[int]) -> tuple:
         if len(addresses) != self.slots:
             raise ValueError(f"expected {self.slots} addresses, got {len(addresses)}")
-        parts = map(addresses[self.base].__add__, self.offsets)
-        return self._pick((*addresses, *parts, *self.constants))
+        base = addresses[self.base]
+        return self._pick((*addresses, *[base + offset for offset in self.offsets],
+                           *self.constants))
 
 
 @dataclass(frozen=True)
