@@ -482,10 +482,9 @@ class Buffer:
         else through `_launch`."""
         self._check_alive()
         if self.device.type == "cuda":
-            self._drain_pending()
             stream = self._direct_stream_now(previous_event, async_with_compute_stream,
                                              allocate_on_comm_stream)
-            if stream is None:
+            if stream is None:  # (`_launch` checks and drains for itself)
                 def work(alloc: OutputAllocator, stream):
                     return prepared.run(addresses, topk_idx, alloc.empty, stream)
 
@@ -493,6 +492,7 @@ class Buffer:
                                              previous_event, async_with_compute_stream,
                                              allocate_on_comm_stream, host_reads=False)
                 return self._dispatch_returns(result, rows, None, event)
+            self._drain_pending()
             self._direct_stream = stream
             event = EventOverlap(stream=stream)  # recorded when first needed
         else:

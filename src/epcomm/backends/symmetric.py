@@ -184,8 +184,8 @@ class _SyncFreePlan:
     replacement); the plan is never run again."""
 
     def __init__(self, launcher: Launcher, variant: tuple, block_layout: "BlockLayout",
-                 outputs: "_OutputShapes", idx_dtype: torch.dtype, copy: bool,
-                 handle_fields: dict, template: ArgTemplate) -> None:
+                 outputs: "_OutputShapes", copy: bool, handle_fields: dict,
+                 template: ArgTemplate) -> None:
         self.launcher, self.variant, self.block_layout = launcher, variant, block_layout
         self.copy, self.handle_fields, self.template = copy, handle_fields, template
         # (shape, dtype) of each output in slot order, and where the optional ones are in it.
@@ -194,10 +194,10 @@ class _SyncFreePlan:
         self.weights_at = self.idx_at = None
         if outputs.weights is not None:
             self.weights_at = len(self.allocations)
-            self.allocations.append((outputs.weights, torch.float32))
+            self.allocations.append(outputs.weights)
         if outputs.idx is not None:
             self.idx_at = len(self.allocations)
-            self.allocations.append((outputs.idx, idx_dtype))
+            self.allocations.append(outputs.idx)
         self.stale = False
 
     def addresses(self, rows, topk_idx: torch.Tensor,
@@ -232,9 +232,8 @@ class _SyncFreePlan:
 
 @dataclass(frozen=True)
 class _OutputShapes:
-    """Shapes of a dispatch's outputs: (shape, dtype) of each received payload tensor, the
-    received weights' shape (None without weights), the local ids' shape (None in the expand
-    layout; their dtype is topk_idx's)."""
+    """(shape, dtype) of each output of a dispatch: the received payload tensors, the received
+    weights (None without weights), the local ids (None in the expand layout)."""
 
     rows: tuple
     weights: Optional[tuple]
@@ -496,16 +495,16 @@ class SymmetricBackend(Backend):
         out_rows = num_expanded if expand else num_rows
         return _OutputShapes(
             tuple(((out_rows, *row.shape[1:]), row.dtype) for row in request.rows),
-            None if request.topk_weights is None else (out_rows,) if expand else (out_rows, K),
-            None if expand else (num_rows, K))
+            None if request.topk_weights is None else
+            ((out_rows,) if expand else (out_rows, K), torch.float32),
+            None if expand else ((num_rows, K), request.topk_idx.dtype))
 
     def _outputs(self, request: DispatchRequest, num_rows: int, num_expanded: int) -> tuple:
         """(received payload rows, received weights or None, local ids or None (expand))."""
         alloc, shapes = request.alloc, self._output_shapes(request, num_rows, num_expanded)
         recv_rows = [alloc.empty(shape, dtype) for shape, dtype in shapes.rows]
-        recv_weights = None if shapes.weights is None else \
-            alloc.empty(shapes.weights, torch.float32)
-        local_idx = None if shapes.idx is None else alloc.empty(shapes.idx, request.topk_idx.dtype)
+        recv_weights = None if shapes.weights is None else alloc.empty(*shapes.weights)
+        local_idx = None if shapes.idx is None else alloc.empty(*shapes.idx)
         return recv_rows, recv_weights, local_idx
 
     def _receive_parts(self, request: DispatchRequest, block: "TensorBlock", typed: bool) -> dict:
@@ -601,8 +600,8 @@ class SymmetricBackend(Backend):
         block = TensorBlock(stand_in((block_layout.words,)), block_layout,
                             None if copy else {"topk_idx": idx_slot})
         recv_rows = [stand_in(shape) for shape, _ in shapes.rows]
-        recv_weights = None if shapes.weights is None else stand_in(shapes.weights)
-        local_idx = None if shapes.idx is None else stand_in(shapes.idx)
+        recv_weights = None if shapes.weights is None else stand_in(shapes.weights[0])
+        local_idx = None if shapes.idx is None else stand_in(shapes.idx[0])
         counts, positions = self._scratch(False)[2:]
         send = dispatch_kernels.send_phase(
             counts, positions, idx_slot, request.num_experts, weights_slot, row_slots, layout,
@@ -612,7 +611,7 @@ class SymmetricBackend(Backend):
         args = self._receive_arguments(
             request, layout, block, send, hist.data_ptr(), num_rows, num_expanded, recv_rows,
             recv_weights, local_idx, do_send=True, typed=False) + launcher.tail
-        return _SyncFreePlan(launcher, variant, block_layout, shapes, topk_idx.dtype, copy,
+        return _SyncFreePlan(launcher, variant, block_layout, shapes, copy,
                              self._handle_fields(request, num_rows, num_expanded),
                              ArgTemplate(args, base=block.address.slot))
 
