@@ -8,7 +8,8 @@
 #              one call's capacity-sized outputs on the GPU at a time)
 #   lifetime   scripts/gpu_lifetime.sh: receive-tensor lifetime, 2/4/8 processes, both policies
 #   cuda-tests the kernel examples on the GPU, then the CUDA pytest targets (sync-free, graph
-#              capture, matrix on 2 ranks, stream options, inputs dropped early)
+#              capture, matrix on 2 ranks, stream options, inputs dropped early, strided and
+#              unaligned inputs)
 #   bench      python -m epcomm bench (4 ranks sharing the GPU)
 # A summary table is printed last; logs and JSON go to $OUT (or /tmp).
 set -uo pipefail
@@ -23,6 +24,6 @@ source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-330}" bash -c \
   'python3 -m pytest -q -x tests/test_kernels.py && python3 -m pytest -q -x \
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
-   -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped)"'
+   -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped or aligned)"'
 [[ " ${SKIP:-} " == *" bench "* ]] || step bench "${BENCH_S:-150}" python3 -m epcomm bench --json "$out/bench.json" --no-progress
 print_summary

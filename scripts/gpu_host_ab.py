@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 # Row labels of `gpu_tune.py --host`'s first table -> short names.
 ROWS = {"empty Triton launch, 26 arguments": "yardstick",
@@ -76,19 +77,36 @@ def _tree(spec: str, workdir: Path) -> Path:
     return tree
 
 
-def _run(tree: Path) -> dict[str, float]:
+def _run(tree: Path, log: Optional[Path]) -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tree / "src"), str(tree / "scripts")]))
     run = subprocess.run([sys.executable, str(tree / "scripts" / "gpu_tune.py"), "--host",
                           "--no-tiles"], env=env, capture_output=True, text=True, timeout=300)
+    if log is not None:
+        log.write_text(run.stdout + run.stderr)
     if run.returncode:
         raise RuntimeError(f"{tree}: gpu_tune.py failed\n{run.stdout[-2000:]}{run.stderr[-3000:]}")
     return parse_host_table(run.stdout)
+
+
+def _summary(figures: dict[str, list[dict[str, float]]], names: list[str], title: str,
+             multiple_of) -> str:
+    """Per tree, the median over its processes of `multiple_of(figures, name)` for each name,
+    and what it comes to at the reference yardstick."""
+    lines = [f"\n{title} (us at a {REFERENCE_YARDSTICK_US} us yardstick):",
+             "| tree | " + " | ".join(names) + " |", "|---" * (1 + len(names)) + "|"]
+    for spec, runs in figures.items():
+        medians = [statistics.median(multiple_of(r, n) for r in runs) for n in names]
+        lines.append(f"| {spec} | " + " | ".join(f"{m:.2f} ({m * REFERENCE_YARDSTICK_US:.1f})"
+                                                 for m in medians) + " |")
+    return "\n".join(lines)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("trees", nargs="+", help="two or more git revisions or directories")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--logs", type=Path, default=None,
+                        help="write each process's gpu_tune.py output here")
     args = parser.parse_args()
     if len(args.trees) < 2:
         parser.error("give at least two trees to compare")
@@ -100,17 +118,16 @@ def main():
         trees = {spec: _tree(spec, Path(workdir)) for spec in args.trees}
         for round_ in range(1, args.rounds + 1):
             for spec, tree in trees.items():
-                got = _run(tree)
+                log = None if args.logs is None else \
+                    args.logs / f"host_ab_{round_}_{spec.strip('./').replace('/', '_') or 'here'}.log"
+                got = _run(tree, log)
                 figures[spec].append(got)
                 cells = " | ".join(f"{got[n]:.1f} ({multiple(got, n):.2f})" for n in names)
                 print(f"| {round_} | {spec} | {got['yardstick']:.1f} | {cells} |", flush=True)
-    print(f"\nMedian multiple of the yardstick per tree (us at a {REFERENCE_YARDSTICK_US} us "
-          "yardstick):")
-    print("| tree | " + " | ".join(names) + " |\n" + "|---" * (1 + len(names)) + "|")
-    for spec, runs in figures.items():
-        medians = [statistics.median(multiple(r, n) for r in runs) for n in names]
-        print(f"| {spec} | " + " | ".join(f"{m:.2f} ({m * REFERENCE_YARDSTICK_US:.1f})"
-                                          for m in medians) + " |")
+    print(_summary(figures, names, "Median multiple of the yardstick per tree (paired where "
+                   "the tree's gpu_tune.py times pairs)", multiple))
+    print(_summary(figures, names, "The same as the ratio of the two medians (each timed in "
+                   "its own block of calls)", lambda got, name: got[name] / got["yardstick"]))
 
 
 if __name__ == "__main__":

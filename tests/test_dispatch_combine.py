@@ -18,7 +18,8 @@ from epcomm import Buffer, EPHandle, EPTimeoutError
 from epcomm import autograd as ep_autograd
 from epcomm.launch import run_local_ranks
 from epcomm.reference import reference_combine, reference_dispatch
-from epcomm.verify import Case, assert_equal, check_round_trip, run_matrix_cases
+from epcomm.verify import (Case, assert_equal, check_round_trip, memory_form_cases, run_cases,
+                           run_matrix_cases)
 
 BASE_SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))
 _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
@@ -49,6 +50,18 @@ def run_matrix(target: str, max_tokens: int, hidden: int, num_topk: int,
 def test_matrix(num_ranks: int, device: str) -> None:
     counts = run_local_ranks(run_matrix, num_ranks, device, 7, 160, 4, 3, BASE_SEED)
     assert counts == [64] * num_ranks
+
+
+def run_memory_forms(target: str, seed: int) -> int:
+    buffer = _buffer(target, 7, 160, 4)
+    return run_cases(buffer, memory_form_cases(2 * buffer.num_ranks, seed), seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inputs_not_contiguous_or_not_aligned(device: str) -> None:
+    """Every tensor of a call strided or one element off a 16-byte boundary (`memory_form_cases`:
+    after a plain call of the same shape, which a sync-free call prepares), bitwise."""
+    assert run_local_ranks(run_memory_forms, 2, device, BASE_SEED) == [24, 24]
 
 
 def run_narrow_fp8_rows(seed: int) -> int:

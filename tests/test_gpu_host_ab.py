@@ -59,6 +59,21 @@ def test_paired_multiples_are_used_where_the_log_has_them():
     assert gpu_host_ab.multiple(old, "dispatch b2b") == 53.8 / 26.1
 
 
+def test_summary_gives_both_kinds_of_multiple():
+    """Per tree, the median over processes of each call's multiple, paired where the log has
+    it, and as the ratio of the two medians."""
+    old = gpu_host_ab.parse_host_table(LOG)
+    runs = {"a": [old, {**old, "yardstick": 2 * old["yardstick"]}, old],
+            "b": [gpu_host_ab.parse_host_table(LOG + PAIRED)]}
+    names = ["dispatch b2b"]
+    paired = gpu_host_ab._summary(runs, names, "paired", gpu_host_ab.multiple)
+    ratios = gpu_host_ab._summary(runs, names, "ratios",
+                                  lambda got, name: got[name] / got["yardstick"])
+    ratio = 53.8 / 26.1
+    assert f"| a | {ratio:.2f} ({ratio * 22.3:.1f}) |" in paired
+    assert "| b | 1.45 (32.3) |" in paired and f"| b | {ratio:.2f}" in ratios
+
+
 def test_paired_multiple_divides_each_round(monkeypatch):
     """`host_timing.paired_multiple` on a fake clock: the call alternates 3 and 5 units, the
     yardstick 1 and 2 (warm-up included), so the rounds give 5/2 and 3/1, median 2.75; with

@@ -140,6 +140,20 @@ def test_hidden_not_a_power_of_two():
     assert run_local_ranks(_odd_hidden, 2, 2) == [True, True]
 
 
+def _memory_forms(num_ranks):
+    from epcomm import Buffer
+    from epcomm.verify import memory_form_cases, run_cases
+    buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", device="cpu")
+    return run_cases(buffer, memory_form_cases(2 * num_ranks, 11, quick=True), 11)
+
+
+def test_inputs_not_contiguous_or_not_aligned():
+    """Strided inputs and inputs one element off a 16-byte boundary (bf16 rows at an odd
+    element: the kernels move rows as 4-byte words, so the backend copies them), bitwise
+    against the reference, under the interpreter."""
+    assert run_local_ranks(_memory_forms, 2, 2) == [6, 6]
+
+
 def _mismatched_max_tokens(num_ranks):
     """Rank 0 says num_max_tokens_per_rank=M, rank 1 says 2 (a contract violation): rank 1's
     sync-free outputs hold R * 2 rows, fewer than it receives. The excess is dropped, not written
@@ -375,6 +389,48 @@ def test_prepared_dispatch_follows_a_replaced_scratch():
     assert results == [(8, [True], [False]), (8, [True], [False]),
                        (64, [True], [True, False]), (8, [True], [False, False]),
                        (8, [True], [False, False])], results
+
+
+def _routes_per_memory_form():
+    """Sync-free dispatches of one call shape (kernels kept, launches recorded) whose x or
+    topk_idx is in another memory form each call: per call, the tensor and its form, whether
+    each launch was untyped (through a plan), and whether the launch got the caller's own x and
+    topk_idx addresses (not copies); then how many calls took the buffer's prepared call, and
+    how many the buffer keeps."""
+    from epcomm.verify import in_memory_form
+    buffer, pool, launches, state = _record_launches()
+    state["kept"] = True
+    x, idx, weights = _data(0, M - 1, 8, False, False, 0)
+    prepared_calls, dispatch_prepared = [], buffer._dispatch_prepared
+    buffer._dispatch_prepared = lambda *args: prepared_calls.append(1) or dispatch_prepared(*args)
+    results = []
+    for which, form in (("x", "plain"), ("x", "strided"), ("x", "offset"),
+                        ("idx", "strided"), ("idx", "offset"), ("x", "plain")):
+        call_x = in_memory_form(x, form) if which == "x" else x
+        call_idx = in_memory_form(idx, form) if which == "idx" else idx
+        pool.clear()
+        launches.clear()
+        state["next"] = 0
+        buffer.dispatch(call_x, call_idx, weights, num_experts=8, do_cpu_sync=False)
+        results.append((which, form, [launch[2] for launch in launches],
+                        call_x.data_ptr() in launches[0][3], call_idx.data_ptr() in launches[0][3]))
+    return results, len(prepared_calls), len(buffer._prepared)
+
+
+def test_prepared_dispatch_leaves_for_other_memory_forms():
+    """A call of a prepared call shape whose tensors are not contiguous or not 16-byte aligned
+    leaves the buffer's prepared call: strided tensors are copied (then the backend's plan of
+    the shape runs on the copies), bf16 rows at an odd element are copied too (the kernels
+    move 4-byte words), an 8-byte aligned topk_idx takes the typed generic launch; the next
+    plain call takes the prepared call again."""
+    results, prepared_calls, prepared = run_local_ranks(_routes_per_memory_form, 1)[0]
+    assert results == [("x", "plain", [False], True, True),
+                       ("x", "strided", [False], False, True),
+                       ("x", "offset", [False], False, True),
+                       ("idx", "strided", [False], True, False),
+                       ("idx", "offset", [True], True, True),
+                       ("x", "plain", [False], True, True)], results
+    assert prepared_calls == 1 and prepared == 1  # (the last call only)
 
 
 def test_remember_example():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 import itertools
 import math
 import os
@@ -44,18 +43,21 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_idx holds expert ids outside [-1, {num_experts})")
 
 
-def _call_shape(rows, topk_idx, topk_weights, *arguments) -> Optional[tuple]:
+def _call_shape(rows, topk_idx, topk_weights, *arguments) -> tuple[Optional[tuple], list[int]]:
     """What validation and a backend's prepared call depend on in a sync-free dispatch without
     a handle: the dtypes, shapes and devices of the payload `rows` (x, or x_fp8 and its scales),
-    topk_idx and topk_weights, and the other `arguments` with their types. None unless every
-    tensor is a plain `torch.Tensor` (the general path checks anything else)."""
+    topk_idx and topk_weights, and the other `arguments` with their types; with the tensors'
+    addresses in that order (a prepared call's caller slots), taken in the same pass. The shape
+    is None unless every tensor is a plain, contiguous `torch.Tensor` (the general path checks
+    and copies anything else)."""
     tensors = (*rows, topk_idx) if topk_weights is None else (*rows, topk_idx, topk_weights)
-    shape = []
+    shape, addresses = [], []
     for tensor in tensors:
-        if type(tensor) is not torch.Tensor:
-            return None
+        if type(tensor) is not torch.Tensor or not tensor.is_contiguous():
+            return None, addresses
         shape += (tensor.dtype, tensor.shape, tensor.device)
-    return (len(rows), *shape, *arguments, *map(type, arguments))
+        addresses.append(tensor.data_ptr())
+    return (len(rows), *shape, *arguments, *map(type, arguments)), addresses
 
 
 class Buffer:
@@ -116,8 +118,9 @@ class Buffer:
         self._direct_stream: Optional["torch.cuda.Stream"] = None
         self._direct_event = torch.cuda.Event() if self.device.type == "cuda" else None
         self._direct_alloc: Optional[OutputAllocator] = None  # the direct calls' allocator
-        # `empty(shape, dtype)` of a prepared dispatch on the current stream (no allocator).
-        self._direct_empty = functools.partial(torch.empty, device=self.device)
+        # How a prepared dispatch on the current stream allocates: None, the plan's own
+        # `torch.empty` calls; or `empty(shape, dtype)` (tests and timing scripts set one).
+        self._direct_empty = None
         self.num_sms = num_sms
         # Validated sync-free call shapes (`_call_shape`) -> the backend's prepared call.
         self._prepared: dict = {}
@@ -448,14 +451,12 @@ class Buffer:
         shape = prepared = None
         if not do_cpu_sync and handle is None:
             rows = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-            shape = _call_shape(rows, topk_idx, topk_weights, num_experts,
-                                num_max_tokens_per_rank, expert_alignment, do_expand,
-                                do_zero_padding, do_handle_copy, previous_event is not None,
-                                allocate_on_comm_stream)
+            shape, addresses = _call_shape(rows, topk_idx, topk_weights, num_experts,
+                                           num_max_tokens_per_rank, expert_alignment, do_expand,
+                                           do_zero_padding, do_handle_copy,
+                                           previous_event is not None, allocate_on_comm_stream)
             prepared = self._prepared.get(shape)
-            addresses = None if prepared is None else \
-                prepared.addresses(rows, topk_idx, topk_weights)
-            if addresses is not None:
+            if prepared is not None and prepared.takes(addresses):
                 return self._dispatch_prepared(prepared, addresses, rows, topk_idx, topk_weights,
                                                num_experts, previous_event,
                                                async_with_compute_stream, allocate_on_comm_stream)

@@ -69,6 +69,7 @@ class Case:
     async_with_compute_stream: bool = False
     allocate_on_comm_stream: bool = False
     use_previous_event: bool = False  # pass `Buffer.capture()` (needs allocate_on_comm_stream)
+    memory_form: str = "plain"  # of every tensor passed to a call: see `in_memory_form`
     seed: int = 0
 
     def stream_kwargs(self) -> dict:
@@ -114,13 +115,43 @@ def make_inputs(buffer, case: Case):
                             num_ranks, gen)
     x = torch.randn(num_tokens, buffer.hidden, generator=gen).to(torch.bfloat16)
     weights = torch.rand(num_tokens, buffer.num_topk, generator=gen) if case.with_weights else None
-    dev = buffer.device
-    if case.fp8:
-        x_fp8, scales = per_token_cast_to_fp8(x)
-        x = (x_fp8.to(dev), scales.to(dev))
-    else:
-        x = x.to(dev)
-    return x, topk_idx.to(dev), None if weights is None else weights.to(dev), gen
+    x = per_token_cast_to_fp8(x) if case.fp8 else x
+    x, topk_idx, weights = _placed(case, x, topk_idx, weights, buffer.device)
+    return x, topk_idx, weights, gen
+
+
+def _placed(case: Case, *tensors):
+    """`tensors` (tensors, tuples of them or None; the last argument is the device) moved to
+    the device in the case's `memory_form`."""
+    *tensors, dev = tensors
+
+    def place(tensor):
+        if tensor is None:
+            return None
+        if isinstance(tensor, tuple):
+            return tuple(place(part) for part in tensor)
+        return in_memory_form(tensor.to(dev), case.memory_form)
+
+    return [place(tensor) for tensor in tensors]
+
+
+def in_memory_form(tensor: torch.Tensor, form: str) -> torch.Tensor:
+    """The values of `tensor` laid out as `form`: "plain" (itself), "strided" (not contiguous:
+    every other element of a larger allocation) or "offset" (contiguous, starting one element
+    past a 16-byte boundary), to drive a call off its fast paths.
+
+    Example: in_memory_form(torch.zeros(2, 3), "offset").data_ptr() % 16 == 4, and
+    in_memory_form(torch.zeros(2, 3), "strided").stride() == (6, 2)."""
+    if form == "plain":
+        return tensor
+    if form == "strided":
+        return torch.stack([tensor, tensor], dim=-1)[..., 0]
+    if form == "offset":
+        spare = 16 // tensor.element_size()
+        base = torch.empty(tensor.numel() + spare, dtype=tensor.dtype, device=tensor.device)
+        start = 1 + (-base.data_ptr() // tensor.element_size()) % spare
+        return base[start:start + tensor.numel()].view_as(tensor).copy_(tensor)
+    raise ValueError(f"form must be plain, strided or offset, got {form!r}")
 
 
 def _reference_group(group):
@@ -282,9 +313,10 @@ def check_combine(buffer, case: Case, handle, ref: ReferenceDispatch, topk_idx: 
     results are equal. Both combines (collective) run on every rank before any comparison."""
     to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
     dev = buffer.device
+    call_y, call_weights, call_biases = _placed(case, y, y_weights, tuple(biases), dev)
     combined, combined_w, event = buffer.combine(
-        y.to(dev), handle, topk_weights=None if y_weights is None else y_weights.to(dev),
-        bias=tuple(b.to(dev) for b in biases) or None, **case.stream_kwargs())
+        call_y, handle, topk_weights=call_weights, bias=call_biases or None,
+        **case.stream_kwargs())
     event.current_stream_wait()
     n_valid = _num_valid_rows(case, ref)
     ref_dev = "cpu" if to_cpu or dev.type == "cpu" else dev
@@ -306,12 +338,14 @@ def describe(case: Case) -> str:
              "w" if case.with_weights else "no-w", f"bias={case.num_bias}", f"tokens={case.tokens}"]
     if case.do_zero_padding:
         flags.append("zero-pad")
+    if case.memory_form != "plain":
+        flags.append(case.memory_form)
     return " ".join(flags)
 
 
 __all__ = ["Case", "ROUTINGS", "make_routing", "make_inputs", "check_round_trip",
            "run_reference_dispatch", "check_dispatch_outputs", "ignored_rows", "check_combine",
-           "assert_equal", "describe", "align_up"]
+           "assert_equal", "describe", "align_up", "in_memory_form", "memory_form_cases", "run_cases"]
 
 
 def matrix_cases(num_experts: int, seed: int):
@@ -325,11 +359,25 @@ def matrix_cases(num_experts: int, seed: int):
                    do_zero_padding=i % 5 < 2, seed=seed + i)
 
 
-def run_matrix_cases(buffer, experts_per_rank: int, seed: int) -> int:
-    """Every `matrix_cases` round trip through `buffer`, bitwise (collective: all ranks call
-    it); the number of cases checked. A failure names the seed, rank and case."""
+def memory_form_cases(num_experts: int, seed: int, quick: bool = False):
+    """Calls whose tensors are not contiguous or not 16-byte aligned (`in_memory_form`, every
+    tensor of the dispatch, cached dispatch and combine), each form right after a plain call of
+    the same shape (a sync-free one prepares that shape): for bf16 and FP8, both layouts and
+    both sync modes (24 cases), or with `quick` bf16 compact sync-free and FP8 expand sync
+    (6 cases)."""
+    grid = [(False, False, False), (True, True, True)] if quick else \
+        itertools.product((False, True), (False, True), (True, False))
+    for i, (fp8, expand, sync) in enumerate(grid):
+        for j, form in enumerate(("plain", "strided", "offset")):
+            yield Case(num_experts=num_experts, do_expand=expand, do_cpu_sync=sync, fp8=fp8,
+                       num_bias=1, memory_form=form, seed=seed + 3 * i + j)
+
+
+def run_cases(buffer, cases, seed: int) -> int:
+    """Each case's round trip through `buffer`, bitwise (collective: all ranks call it); the
+    number of cases checked. A failure names the base `seed`, rank and case."""
     count = 0
-    for case in matrix_cases(experts_per_rank * buffer.num_ranks, seed):
+    for case in cases:
         try:
             check_round_trip(buffer, case)
         except AssertionError as exc:
@@ -337,3 +385,8 @@ def run_matrix_cases(buffer, experts_per_rank: int, seed: int) -> int:
                 from None
         count += 1
     return count
+
+
+def run_matrix_cases(buffer, experts_per_rank: int, seed: int) -> int:
+    """Every `matrix_cases` round trip through `buffer` (`run_cases`)."""
+    return run_cases(buffer, matrix_cases(experts_per_rank * buffer.num_ranks, seed), seed)

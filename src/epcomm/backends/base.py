@@ -47,13 +47,14 @@ class OutputAllocator:
         self.current = current
         self.allocated: Optional[list[torch.Tensor]] = [] if remember else None
 
-    def empty(self, shape, dtype: torch.dtype) -> torch.Tensor:
+    def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        # (`torch.empty(*shape)`: parsing a size tuple costs 0.4 us more per call, CPU harness)
         if self.stream is self.current:  # the same object (Stream.__eq__ costs 1.8 us)
-            tensor = torch.empty(shape, dtype=dtype, device=self.device)
+            tensor = torch.empty(*shape, dtype=dtype, device=self.device)
         else:
             torch.cuda.set_stream(self.stream)
             try:
-                tensor = torch.empty(shape, dtype=dtype, device=self.device)
+                tensor = torch.empty(*shape, dtype=dtype, device=self.device)
             finally:
                 torch.cuda.set_stream(self.current)
         if self.allocated is not None:
@@ -97,9 +98,10 @@ class DispatchResult:
 
     prepared: the backend's prepared call of this sync-free call shape, or None. `Buffer` keeps
     it for later calls with the same validated arguments and then skips the request:
-    `prepared.addresses(rows, topk_idx, topk_weights)` (None: this call cannot take it), then
+    `prepared.takes(addresses)`, the addresses of the contiguous caller tensors in the order
+    (*rows, topk_idx, topk_weights if any) (False: this call cannot take it), then
     `prepared.run(addresses, topk_idx, empty, stream)` -> a `DispatchResult`, where
-    `empty(shape, dtype=dtype)` allocates (`OutputAllocator.empty`, or `torch.empty` on the
+    `empty(shape, dtype)` allocates (`OutputAllocator.empty`; None: `torch.empty` on the
     current stream); `prepared.stale`: never run it again (make a new one).
     """
 

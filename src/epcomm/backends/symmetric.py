@@ -34,7 +34,7 @@ import math
 import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import reduce
+from functools import partial, reduce
 from typing import Optional, Sequence
 
 import torch
@@ -176,7 +176,7 @@ class TensorBlock(Mapping):
 class _SyncFreePlan:
     """A sync-free dispatch of one call shape whose launch is kept, made by the first such call:
     everything but its tensors. The caller's tensors and the outputs are address slots of the
-    launch's `ArgTemplate`, in this order: topk_idx, weights (if any), the payload rows, then
+    launch's `ArgTemplate`, in this order: the payload rows, topk_idx, weights (if any), then
     the handle's block, the received rows, the received weights (if any), the local ids
     (compact). `Buffer` keeps the plan for later calls with the same validated arguments
     (`DispatchResult.prepared`). `stale`: the backend replaced a scratch tensor whose address
@@ -185,7 +185,7 @@ class _SyncFreePlan:
 
     def __init__(self, launcher: Launcher, variant: tuple, block_layout: "BlockLayout",
                  outputs: "_OutputShapes", copy: bool, handle_fields: dict,
-                 template: ArgTemplate) -> None:
+                 template: ArgTemplate, device: torch.device) -> None:
         self.launcher, self.variant, self.block_layout = launcher, variant, block_layout
         self.copy, self.handle_fields, self.template = copy, handle_fields, template
         # (shape, dtype) of each output in slot order, and where the optional ones are in it.
@@ -198,27 +198,35 @@ class _SyncFreePlan:
         if outputs.idx is not None:
             self.idx_at = len(self.allocations)
             self.allocations.append(outputs.idx)
+        # Each allocation as one bound call, with its size as separate ints: Python's argument
+        # parsing of `torch.empty(shape_tuple, ...)` costs 0.4 us more per call (CPU harness).
+        self._empties = [partial(torch.empty, *shape, dtype=dtype, device=device)
+                         for shape, dtype in self.allocations]
         self.stale = False
+
+    def takes(self, addresses: Optional[list[int]]) -> bool:
+        """Whether a call whose contiguous caller tensors have `addresses` (in slot order; None:
+        a tensor is not contiguous) can run this plan: each address 16-byte aligned, the kernel
+        still kept (the compiled launcher never rejected a launch) and the plan not stale."""
+        return (addresses is not None and not self.stale
+                and not reduce(operator.or_, addresses) % 16 and self.launcher.kept(self.variant))
 
     def addresses(self, rows, topk_idx: torch.Tensor,
                   weights: Optional[torch.Tensor]) -> Optional[list[int]]:
         """The caller tensors' addresses in slot order, or None when this call cannot take the
-        plan: a tensor not contiguous or not 16-byte aligned, the kernel no longer kept (the
-        compiled launcher rejected a launch once), or the plan stale."""
-        callers = (topk_idx, *rows) if weights is None else (topk_idx, weights, *rows)
-        addresses = [tensor.data_ptr() for tensor in callers]
-        if self.stale or reduce(operator.or_, addresses) % 16 or \
-                not self.launcher.kept(self.variant):
-            return None
-        for tensor in callers:
-            if not tensor.is_contiguous():
-                return None
-        return addresses
+        plan (`takes`)."""
+        callers = (*rows, topk_idx) if weights is None else (*rows, topk_idx, weights)
+        addresses = None
+        if all(tensor.is_contiguous() for tensor in callers):
+            addresses = [tensor.data_ptr() for tensor in callers]
+        return addresses if self.takes(addresses) else None
 
     def run(self, addresses: list[int], topk_idx: torch.Tensor, empty, stream) -> DispatchResult:
-        """Allocate the outputs with `empty(shape, dtype=dtype)`, launch on `stream` with the caller
-        tensors' `addresses` (`addresses()`), and return the outputs and the handle."""
-        outputs = [empty(shape, dtype=dtype) for shape, dtype in self.allocations]
+        """Allocate the outputs with `empty(shape, dtype)` (None: `torch.empty` on the device,
+        from the current stream's pool), launch on `stream` with the caller tensors' `addresses`
+        (`takes`), and return the outputs and the handle."""
+        outputs = [new() for new in self._empties] if empty is None else \
+            [empty(shape, dtype) for shape, dtype in self.allocations]
         self.launcher.launch_untyped(self.variant, stream, self.template.fill(
             addresses + [tensor.data_ptr() for tensor in outputs]))
         tensors = TensorBlock(outputs[0], self.block_layout,
@@ -415,6 +423,10 @@ class SymmetricBackend(Backend):
         return self._sync, self._flags, self._counts_scratch, self._pos_scratch
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
+        if any(row.data_ptr() % 4 for row in request.rows):
+            # The kernels move rows as 4-byte words: rows that start between two words (a view
+            # at an odd bf16 or FP8 offset) are copied to a new allocation first.
+            request.rows = [row.clone() if row.data_ptr() % 4 else row for row in request.rows]
         if not request.do_cpu_sync and request.cached is None:
             result = self._dispatch_planned(request)
             if result is not None:
@@ -594,9 +606,9 @@ class SymmetricBackend(Backend):
         def stand_in(shape) -> Address:
             return Address(next(slots), tuple(shape))
 
+        row_slots = [stand_in(row.shape) for row in rows]
         idx_slot = stand_in(topk_idx.shape)
         weights_slot = None if weights is None else stand_in(weights.shape)
-        row_slots = [stand_in(row.shape) for row in rows]
         block = TensorBlock(stand_in((block_layout.words,)), block_layout,
                             None if copy else {"topk_idx": idx_slot})
         recv_rows = [stand_in(shape) for shape, _ in shapes.rows]
@@ -613,7 +625,7 @@ class SymmetricBackend(Backend):
             recv_weights, local_idx, do_send=True, typed=False) + launcher.tail
         return _SyncFreePlan(launcher, variant, block_layout, shapes, copy,
                              self._handle_fields(request, num_rows, num_expanded),
-                             ArgTemplate(args, base=block.address.slot))
+                             ArgTemplate(args, base=block.address.slot), self.device)
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
