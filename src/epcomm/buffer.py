@@ -43,6 +43,14 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_idx holds expert ids outside [-1, {num_experts})")
 
 
+def _as_input(tensor: Optional[torch.Tensor], alignment: int) -> Optional[torch.Tensor]:
+    """`tensor` as a backend takes it: contiguous, its address a multiple of `alignment`
+    bytes (a new copy otherwise: fresh allocations are aligned)."""
+    if tensor is None or (tensor.is_contiguous() and not tensor.data_ptr() % alignment):
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def _call_shape(rows, topk_idx, topk_weights, *arguments) -> tuple[Optional[tuple], list[int]]:
     """What validation and a backend's prepared call depend on in a sync-free dispatch without
     a handle: the dtypes, shapes and devices of the payload `rows` (x, or x_fp8 and its scales),
@@ -322,9 +330,10 @@ class Buffer:
             return work(OutputAllocator(self.device), None), EventOverlap()
         self._drain_pending()
         direct = not host_reads and self._impl.explicit_streams
-        for tensor in inputs:
+        alignment = self._impl.input_alignment
+        for tensor in inputs:  # (a copy `_as_input` would make runs on the comm stream)
             if direct and tensor is not None:
-                direct = tensor.is_contiguous()
+                direct = tensor.is_contiguous() and not tensor.data_ptr() % alignment
         if direct:
             stream = self._direct_stream_now(previous_event, async_with_compute_stream,
                                              allocate_on_comm_stream)
@@ -538,9 +547,11 @@ class Buffer:
         def work(alloc: OutputAllocator, stream):
             # Copies run here, on the comm stream: with `previous_event` it does not wait for
             # work queued on the current stream after that event.
+            alignment = self._impl.input_alignment
             return self._impl.dispatch(DispatchRequest(
-                rows=[row.contiguous() for row in rows], topk_idx=topk_idx.contiguous(),
-                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
+                rows=[_as_input(row, alignment) for row in rows],
+                topk_idx=_as_input(topk_idx, alignment),
+                topk_weights=_as_input(topk_weights, alignment),
                 num_experts=num_experts, num_max_tokens_per_rank=max_tokens,
                 expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
                 do_zero_padding=do_zero_padding, cached=handle, alloc=alloc,
@@ -595,10 +606,12 @@ class Buffer:
             raise ValueError("previous_event requires allocate_on_comm_stream=True")
 
         def work(alloc: OutputAllocator, stream):
+            alignment = self._impl.input_alignment
             return self._impl.combine(CombineRequest(
-                x=x.contiguous(), handle=handle,
-                topk_weights=None if topk_weights is None else topk_weights.contiguous(),
-                biases=tuple(b.contiguous() for b in biases), alloc=alloc, stream=stream))
+                x=_as_input(x, alignment), handle=handle,
+                topk_weights=_as_input(topk_weights, alignment),
+                biases=tuple(_as_input(b, alignment) for b in biases), alloc=alloc,
+                stream=stream))
 
         (combined_x, combined_weights), event = self._launch(
             work, [x, topk_weights, *biases], previous_event, async_with_compute_stream,

@@ -129,10 +129,13 @@ class Backend:
 
     `explicit_streams`: the backend queues all device work of a sync-free call on the
     request's `stream` itself and allocates only through the request's allocator, so the
-    caller need not make that stream current. Otherwise it is current during the call."""
+    caller need not make that stream current. Otherwise it is current during the call.
+    `input_alignment`: request tensors are contiguous and their addresses multiples of this
+    many bytes (`Buffer` copies the ones that are not, on the stream the call runs on)."""
 
     name = "abstract"
     explicit_streams = False
+    input_alignment = 1
     rank: int
     num_ranks: int
     device: torch.device

@@ -251,6 +251,9 @@ class _OutputShapes:
 class SymmetricBackend(Backend):
     name = "symmetric"
     explicit_streams = True
+    # Every kernel variant is compiled at warm-up for 16-byte aligned pointers (another would
+    # be compiled and loaded while kernels may be in flight: gpu-facts), and rows move as words.
+    input_alignment = 16
 
     def __init__(self, buffer) -> None:
         self.group = buffer.group
@@ -423,10 +426,6 @@ class SymmetricBackend(Backend):
         return self._sync, self._flags, self._counts_scratch, self._pos_scratch
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
-        if any(row.data_ptr() % 4 for row in request.rows):
-            # The kernels move rows as 4-byte words: rows that start between two words (a view
-            # at an odd bf16 or FP8 offset) are copied to a new allocation first.
-            request.rows = [row.clone() if row.data_ptr() % 4 else row for row in request.rows]
         if not request.do_cpu_sync and request.cached is None:
             result = self._dispatch_planned(request)
             if result is not None:
