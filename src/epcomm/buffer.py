@@ -43,10 +43,16 @@ def _check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"topk_idx holds expert ids outside [-1, {num_experts})")
 
 
+def _taken_as_is(tensor: torch.Tensor, alignment: int) -> bool:
+    """Whether a backend takes `tensor` without a copy: contiguous, its address a multiple of
+    `alignment` bytes (`Backend.input_alignment`)."""
+    return tensor.is_contiguous() and not tensor.data_ptr() % alignment
+
+
 def _as_input(tensor: Optional[torch.Tensor], alignment: int) -> Optional[torch.Tensor]:
-    """`tensor` as a backend takes it: contiguous, its address a multiple of `alignment`
-    bytes (a new copy otherwise: fresh allocations are aligned)."""
-    if tensor is None or (tensor.is_contiguous() and not tensor.data_ptr() % alignment):
+    """`tensor` as a backend takes it (a new copy unless `_taken_as_is`: fresh allocations are
+    aligned)."""
+    if tensor is None or _taken_as_is(tensor, alignment):
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
 
@@ -333,7 +339,7 @@ class Buffer:
         alignment = self._impl.input_alignment
         for tensor in inputs:  # (a copy `_as_input` would make runs on the comm stream)
             if direct and tensor is not None:
-                direct = tensor.is_contiguous() and not tensor.data_ptr() % alignment
+                direct = _taken_as_is(tensor, alignment)
         if direct:
             stream = self._direct_stream_now(previous_event, async_with_compute_stream,
                                              allocate_on_comm_stream)

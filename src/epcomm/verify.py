@@ -116,14 +116,13 @@ def make_inputs(buffer, case: Case):
     x = torch.randn(num_tokens, buffer.hidden, generator=gen).to(torch.bfloat16)
     weights = torch.rand(num_tokens, buffer.num_topk, generator=gen) if case.with_weights else None
     x = per_token_cast_to_fp8(x) if case.fp8 else x
-    x, topk_idx, weights = _placed(case, x, topk_idx, weights, buffer.device)
+    x, topk_idx, weights = _placed(case, buffer.device, x, topk_idx, weights)
     return x, topk_idx, weights, gen
 
 
-def _placed(case: Case, *tensors):
-    """`tensors` (tensors, tuples of them or None; the last argument is the device) moved to
-    the device in the case's `memory_form`."""
-    *tensors, dev = tensors
+def _placed(case: Case, dev, *tensors) -> list:
+    """`tensors` (tensors, tuples of them or None) moved to `dev` in the case's
+    `memory_form`."""
 
     def place(tensor):
         if tensor is None:
@@ -313,7 +312,7 @@ def check_combine(buffer, case: Case, handle, ref: ReferenceDispatch, topk_idx: 
     results are equal. Both combines (collective) run on every rank before any comparison."""
     to_cpu = _reference_group(buffer.group) and buffer.device.type != "cpu"
     dev = buffer.device
-    call_y, call_weights, call_biases = _placed(case, y, y_weights, tuple(biases), dev)
+    call_y, call_weights, call_biases = _placed(case, dev, y, y_weights, tuple(biases))
     combined, combined_w, event = buffer.combine(
         call_y, handle, topk_weights=call_weights, bias=call_biases or None,
         **case.stream_kwargs())

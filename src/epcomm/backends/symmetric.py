@@ -46,7 +46,7 @@ from ..kernels import INTERPRET
 from ..kernels import combine as combine_kernels
 from ..kernels import dispatch as dispatch_kernels
 from ..kernels.dispatch import RecordLayout, payload_words
-from ..kernels.launcher import (Address, ArgTemplate, KernelShape, Launcher, Stage, aligned,
+from ..kernels.launcher import (Address, ArgTemplate, KernelShape, Launcher, Stage,
                                 next_power_of_2)
 from ..kernels.sync import timeout_units
 from ..layout import align_up, expand_capacity
@@ -213,12 +213,10 @@ class _SyncFreePlan:
 
     def addresses(self, rows, topk_idx: torch.Tensor,
                   weights: Optional[torch.Tensor]) -> Optional[list[int]]:
-        """The caller tensors' addresses in slot order, or None when this call cannot take the
-        plan (`takes`)."""
+        """The addresses of a request's tensors (contiguous: `Backend.input_alignment`) in slot
+        order, or None when this call cannot take the plan (`takes`)."""
         callers = (*rows, topk_idx) if weights is None else (*rows, topk_idx, weights)
-        addresses = None
-        if all(tensor.is_contiguous() for tensor in callers):
-            addresses = [tensor.data_ptr() for tensor in callers]
+        addresses = [tensor.data_ptr() for tensor in callers]
         return addresses if self.takes(addresses) else None
 
     def run(self, addresses: list[int], topk_idx: torch.Tensor, empty, stream) -> DispatchResult:
@@ -562,9 +560,8 @@ class SymmetricBackend(Backend):
 
     def _dispatch_planned(self, request: DispatchRequest) -> Optional[DispatchResult]:
         """A sync-free dispatch through the `_SyncFreePlan` of its call shape (made by the
-        first such call), or None when it cannot take one (a caller tensor that is not
-        contiguous or 16-byte aligned, or no kept kernel: under the interpreter, before
-        warm-up)."""
+        first such call), or None when it cannot take one (no kept kernel: under the
+        interpreter, before warm-up, or after the compiled launcher rejected a launch)."""
         rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
         key = (topk_idx.shape[0], topk_idx.dtype, weights is None, len(rows), rows[0].dtype,
                request.num_experts, request.num_max_tokens_per_rank, request.expert_alignment,
@@ -585,8 +582,6 @@ class SymmetricBackend(Backend):
     def _plan(self, request: DispatchRequest) -> Optional[_SyncFreePlan]:
         """The plan of this sync-free call's shape, None if its kernel variant is not kept."""
         rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
-        if not aligned(topk_idx, weights, *rows):
-            return None  # (the variant of an unaligned call is the generic path's)
         layout, launcher = self._record_layout(rows)
         variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32
                                            if request.do_expand else topk_idx.dtype)
