@@ -25,13 +25,13 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from epcomm.backends.symmetric import _GPU_TILE as TILE  # noqa: E402
+from epcomm.backends.symmetric.backend import _GPU_TILE as TILE  # noqa: E402
 from epcomm.kernels import combine, dispatch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536  # sm_90
 # (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine));
-# the DeepSeek-V3 one with the GPU tile of backends/symmetric.py
+# the DeepSeek-V3 one with the GPU tile of backends/symmetric/backend.py
 SHAPES = {"dsv3": (8, 8, TILE["block_w"], TILE["block_h"], 4, 8), "test": (4, 1, 128, 256, 4, 8),
           "odd": (3, 3, 32, 64, 1, 8)}
 POINTERS = {  # pointer arguments and their element types; every other argument is i32/i64

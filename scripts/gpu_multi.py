@@ -1,12 +1,13 @@
-"""The test matrix at real sizes with one process per GPU (issue 5's EP8 check).
+"""The test matrix at real sizes with one process per GPU (EP8 on an 8-GPU machine).
 
     PYTHONPATH=src python3 scripts/gpu_multi.py [--ranks N] [--tokens 4096] [--hidden 7168]
 
 N ranks (default: every GPU, at least 2), NCCL group, one GPU each; for the collective and the
-symmetric backend, the 64 cases of `epcomm.verify.matrix_cases` (routings incl. masked, skewed
-and same-rank, uneven and empty token counts, both layouts, sync and sync-free, bf16 and FP8,
-alignment 1 and 128, weights, biases, zero padding, cached dispatch) at top-8 with 256 experts
-(`--experts`), each bitwise against the reference (plain NCCL all_to_all_single on the GPU).
+symmetric backend, the 64 cases of `epcomm.testing.verify.matrix_cases` (routings incl.
+masked, skewed and same-rank, uneven and empty token counts, both layouts, sync and
+sync-free, bf16 and FP8, alignment 1 and 128, weights, biases, zero padding, cached dispatch)
+at top-8 with 256 experts (`--experts`), each bitwise against the reference (plain NCCL
+all_to_all_single on the GPU).
 Prints one line per backend, then a table. `--cpu` runs CPU ranks over gloo instead (a smoke
 test of this script; CI runs it at small sizes).
 """
@@ -20,13 +21,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from epcomm.launch import run_local_ranks
+from epcomm.testing.launch import run_local_ranks
 
 
 def check_backend(backend: str, tokens: int, hidden: int, topk: int, experts: int, seed: int,
                   device: str) -> dict:
-    from epcomm.buffer import Buffer
-    from epcomm.verify import run_matrix_cases
+    from epcomm import Buffer
+    from epcomm.testing.verify import run_matrix_cases
     start = time.time()
     buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend=backend, timeout_s=300,
                     device=device)

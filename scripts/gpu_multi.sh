@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's run on a machine with several GPUs (one process per GPU), from the repository root:
+# The checks on a machine with several GPUs (one process per GPU), from the repository root:
 #   bash scripts/gpu_multi.sh            (RANKS=N to use fewer GPUs than the machine has)
 # Steps, each under its own time limit (seconds, overridable), in priority order:
 #   matrix     scripts/gpu_multi.py: the 64-case matrix at hidden 7168 / top-8 / 256 experts /

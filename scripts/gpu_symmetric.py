@@ -23,8 +23,8 @@ import torch.distributed as dist
 
 os.environ.setdefault("EP_AVOID_RECORD_STREAM", "1")  # graph capture must not record_stream
 
-from epcomm.launch import run_local_ranks  # noqa: E402
-from host_timing import median_host_us  # noqa: E402
+from epcomm.testing.launch import run_local_ranks  # noqa: E402
+from host_time import median_host_us  # noqa: E402
 
 
 def _rows(x):
@@ -124,7 +124,7 @@ def _roundtrip(buffer, x, idx, weights, experts, opts, bias, debug):
 
 def check_ranks(tokens, hidden, topk, experts):
     """One rank of the correctness check; returns seconds spent."""
-    from epcomm.buffer import Buffer
+    from epcomm import Buffer
     start = time.time()
     rank = dist.get_rank()
     device = torch.device("cuda", torch.cuda.current_device())
@@ -145,7 +145,7 @@ def check_ranks(tokens, hidden, topk, experts):
                 _compare(got, want, f"rank {rank} expand={expand} fp8={fp8} sync={sync}")
     # CUDA graph: capture a sync-free dispatch + combine, replay on new data (the references
     # first, so the collective backend's outputs are gone before the graph's are made). (No
-    # eager call through `symm` after a capture: Buffer._drain_pending queries events recorded
+    # eager call through `symm` after a capture: its next call would query events recorded
     # during capture, which CUDA rejects.)
     for expand in (False, True):
         opts = dict(do_expand=expand, do_cpu_sync=False, expert_alignment=4 if expand else 1)
@@ -207,7 +207,7 @@ def _kernels(fn, iters=5):
 def profile_calls(tokens, hidden, topk, experts):
     """Where host and GPU time of one EP=1 dispatch + combine go (torch profiler tables)."""
     from torch.profiler import ProfilerActivity, profile
-    from epcomm.buffer import Buffer
+    from epcomm import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
     buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
     x, idx, w = _data(0, tokens, hidden, topk, experts, False, 7, device)
@@ -235,7 +235,7 @@ def profile_calls(tokens, hidden, topk, experts):
 
 def bench(tokens, hidden, topk, experts):
     """EP=1 figures (runs in a one-rank group)."""
-    from epcomm.buffer import Buffer
+    from epcomm import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
     buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
     x, idx, w = _data(0, tokens, hidden, topk, experts, False, 7, device)
@@ -279,7 +279,7 @@ def bench(tokens, hidden, topk, experts):
     t_g, host_g = _cuda_time(graph.replay, 20)
     rows.append(("graph replay dispatch+combine compact", t_g, t_g, nbytes, 4 * t_copy / t_g, 1,
                  host_g))
-    return rows, buffer.num_sms, buffer._impl.heap_bytes
+    return rows, buffer.num_sms
 
 
 def main():
@@ -302,8 +302,9 @@ def main():
         run_local_ranks(profile_calls, 1, *shape, timeout_s=600)
     if args.no_bench:
         return
-    rows, num_sms, heap = run_local_ranks(bench, 1, *shape, timeout_s=600)[0]
-    from epcomm.buffer import Buffer
+    rows, num_sms = run_local_ranks(bench, 1, *shape, timeout_s=600)[0]
+    from epcomm import Buffer
+    heap = Buffer.get_buffer_size_hint(1, args.tokens, args.hidden, args.topk)
     dsv3 = Buffer.get_buffer_size_hint(8, 4096, 7168, 8)
     print(f"\nEP=1, {args.tokens} x {args.hidden} bf16, top-{args.topk}, {args.experts} experts, "
           f"num_sms={num_sms}, heap {heap / 2**20:.0f} MiB per rank "
@@ -317,6 +318,7 @@ def main():
         print(f"| {name:40} | {t_call * 1e6:8.1f} | {t_kernel * 1e6:9.1f} | "
               f"{nbytes / t_kernel / 1e9:14.1f} | {ratio:15.0%} | {launches:8d} | "
               f"{host * 1e6:8.1f} |")
+
 
 if __name__ == "__main__":
     main()

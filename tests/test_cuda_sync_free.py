@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from epcomm import Buffer
-from epcomm.launch import run_local_ranks
-from epcomm.reference import reference_combine, reference_dispatch
-from epcomm.verify import Case, assert_equal, check_round_trip, make_inputs, make_routing
+from epcomm.testing.launch import run_local_ranks
+from epcomm.testing.reference import reference_combine, reference_dispatch
+from epcomm.testing.verify import Case, assert_equal, check_round_trip, make_inputs, make_routing
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA tests need a GPU (none on this machine)")

@@ -1,4 +1,4 @@
-"""Dispatch and combine through `Buffer`, bitwise against `epcomm.reference`, on local ranks.
+"""Dispatch and combine through `Buffer`, bitwise against `epcomm.testing.reference`, on local ranks.
 
 Each test spawns its ranks once (gloo; on CUDA the ranks share the GPUs) and runs many cases
 inside. Data is drawn afresh each run (the base seed comes from the clock and is printed on
@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from epcomm import Buffer, EPHandle, EPTimeoutError
 from epcomm import autograd as ep_autograd
-from epcomm.launch import run_local_ranks
-from epcomm.reference import reference_combine, reference_dispatch
-from epcomm.verify import (Case, assert_equal, check_round_trip, memory_form_cases, run_cases,
+from epcomm.testing.launch import run_local_ranks
+from epcomm.testing.reference import reference_combine, reference_dispatch
+from epcomm.testing.verify import (Case, assert_equal, check_round_trip, memory_form_cases, run_cases,
                            run_matrix_cases)
 
 BASE_SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))

@@ -266,11 +266,13 @@ def test_launch_hooks_passed_only_when_set():
         assert _hook(chain) is chain
 
 
-def test_untyped_arguments_only_for_a_kept_variant():
-    """A kept kernel takes addresses for pointers and tensors of any dtype (`typed=False`): the
-    send and receive examples again, that way, give the same outputs. Untyped arguments for a
-    variant with no kept kernel (always, under the interpreter) raise instead of compiling a
-    kernel that would take addresses for integers."""
+def test_template_arguments_only_for_a_kept_variant():
+    """A prepared call's arguments: the send and receive examples built once with `Address`
+    stand-ins (`Launcher.template`), filled with the real addresses and launched through the
+    kept kernel, give the same outputs. Filled arguments for a variant with no kept kernel
+    (always, under the interpreter) raise instead of compiling a kernel that would take
+    addresses for integers."""
+    from epcomm.kernels.launcher import Address
     rank = OneRank()
     x, layout, _ = _send_example(rank)
     _receive(rank, layout)  # keeps both variants (on the GPU)
@@ -278,24 +280,25 @@ def test_untyped_arguments_only_for_a_kept_variant():
     assert launcher.kept(FULL_VARIANT) == (not INTERPRET) and not launcher.kept(None)
     slots = torch.full((2, K), -7, dtype=i32, device=DEV)
     out = _receive_outputs(1)
-    send = dispatch.send_phase(rank.counts.data_ptr(), rank.pos.data_ptr(),
-                               _t([[0, 3], [-1, -1]], i64), 4, None, [x], layout,
-                               slots.data_ptr(), typed=False)
+    idx = _t([[0, 3], [-1, -1]], i64)
+    tensors = [idx, x, slots, out["idx_out"], out["metadata"], out["rows_out"][0]]
+    stand = [Address(slot, tuple(tensor.shape)) for slot, tensor in enumerate(tensors)]
+    send = dispatch.send_phase(rank.counts, rank.pos, stand[0], 4, None, [stand[1]], layout,
+                               stand[2])
     receive = dispatch.receive_phase(
-        rank.hist.data_ptr(), layout, full=True, max_tokens=S, num_local=4,
-        alignment=2, capacity=2**31 - 1, out_rows=1, expand=False, zero_padding=True,
-        tail=False, weights_out=None, idx_out=out["idx_out"],
-        metadata=out["metadata"].data_ptr(), rank_psum=out["rank_psum"].data_ptr(),
+        rank.hist, layout, full=True, max_tokens=S, num_local=4, alignment=2,
+        capacity=2**31 - 1, out_rows=1, expand=False, zero_padding=True, tail=False,
+        weights_out=None, idx_out=stand[3], metadata=stand[4], rank_psum=out["rank_psum"],
         expert_counts=out["expert_counts"], expert_psum=out["expert_psum"],
-        rows_out=out["rows_out"], typed=False)
-    run = dict(variant=FULL_VARIANT, typed=False)
+        rows_out=[stand[5]])
+    template = launcher.template(dispatch.arguments(rank.dispatch, layout, rank.sync,
+                                                    rank.error, TIMEOUT, send, receive), base=0)
+    args = template.fill([tensor.data_ptr() for tensor in tensors])
     if INTERPRET:
-        with pytest.raises(RuntimeError, match="untyped"):
-            dispatch.run(SHAPE, rank.dispatch, layout, rank.sync.data_ptr(),
-                         rank.error.data_ptr(), TIMEOUT, send, receive, **run)
+        with pytest.raises(RuntimeError, match="filled arguments"):
+            launcher.launch_filled(FULL_VARIANT, None, args)
         return
-    dispatch.run(SHAPE, rank.dispatch, layout, rank.sync.data_ptr(), rank.error.data_ptr(),
-                 TIMEOUT, send, receive, **run)
+    launcher.launch_filled(FULL_VARIANT, None, args)
     assert slots.tolist() == [[0, 0], [-1, -1]]
     assert out["idx_out"].tolist() == [[0, 3]] and out["metadata"].tolist() == [[0, 1, 0, 2]]
     assert out["rank_psum"].tolist() == [1] and out["expert_psum"].tolist() == [2, 2, 2, 4]
@@ -303,11 +306,33 @@ def test_untyped_arguments_only_for_a_kept_variant():
     assert rank.counters(0) == [2, 2, 1] and int(rank.error) == 0
 
 
+def test_launcher_binds_arguments_by_name():
+    """`Launcher.bind`: the kernel's runtime parameters in signature order from a mapping, a
+    missing or an unknown name raising with that name (the phase builders' fields are checked
+    against the kernel's parameters)."""
+    launcher = combine.launcher(SHAPE)
+    names = launcher.params
+    assert names[:3] == ("bases_ptr", "rank", "num_ranks") and "K" not in names
+    fields = {name: index for index, name in enumerate(reversed(names))}
+    assert launcher.bind(fields) == tuple(fields[name] for name in names)
+    with pytest.raises(ValueError, match="no argument for parameter 'x_ptr'"):
+        launcher.bind({name: 0 for name in names if name != "x_ptr"})
+    with pytest.raises(ValueError, match="no parameter named typo"):
+        launcher.bind({**fields, "typo": 0})
+    rank = OneRank()
+    x = torch.zeros(1, H, dtype=bf16, device=DEV)
+    built = combine.arguments(rank.combine, combine.CombineLayout(H, K), rank.sync, rank.pos,
+                              rank.pos, x, None, False, rank.pos, (), x, None, rank.error, 1)
+    assert set(built) == set(names)  # the builder names every parameter, nothing else
+
+
 def test_tensor_block_views_on_16_byte_boundaries():
     """`TensorBlock`: named views of one int32 allocation, each 16-byte aligned and not
-    overlapping, made on first access; `arg` gives the same address untyped; extra tensors
-    are its own."""
-    from epcomm.backends.symmetric import BlockLayout, TensorBlock
+    overlapping, made on first access; `address_of` gives each view's address without making
+    it, and a block of an `Address` stand-in gives `arg` as offsets from it; extra tensors are
+    its own."""
+    from epcomm.backends.symmetric.blocks import BlockLayout, TensorBlock
+    from epcomm.kernels.launcher import Address
     layout = BlockLayout([("a", (3,), i32), ("b", (2, 4), i32), ("c", (0,), i32),
                           ("d", (5, 3), i64), ("e", (1,), i32)])
     assert layout.words == 4 + 8 + 0 + 32 + 4
@@ -321,10 +346,15 @@ def test_tensor_block_views_on_16_byte_boundaries():
         assert view.shape == shape and view.dtype == dtype and block[name] is view
         assert view.untyped_storage().data_ptr() == block.block.untyped_storage().data_ptr()
         assert (view.data_ptr() - base) % 16 == 0
-        assert block.arg(name, typed=False) == view.data_ptr() and block.arg(name, True) is view
+        assert block.address_of(name) == view.data_ptr() and block.arg(name) is view
         ends.append((view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()))
     assert all(end <= later for (_, end), (later, _) in zip(ends, ends[1:]))  # no overlap
-    assert block.arg("f", typed=False) is block["f"] and set(block) == set("abcdef")
+    assert block.arg("f") is block["f"] and set(block) == set("abcdef")
+    assert block.address_of("f") == block["f"].data_ptr()
+    stand_in = TensorBlock(Address(3, (layout.words,)), layout, {"f": Address(1)})
+    assert [(part.slot, part.offset) for part in map(stand_in.arg, "abde")] == \
+        [(3, 0), (3, 16), (3, 48), (3, 176)]
+    assert stand_in.arg("f").slot == 1
 
 
 def test_arg_template_example():
@@ -339,6 +369,8 @@ def test_arg_template_example():
     assert ArgTemplate((block, Address(0), 1, block), base=2).fill((5, 6, 100)) == \
         (132, 5, 1, 132)
     assert ArgTemplate((Address(1),), base=0).fill((5, 6)) == (6,)
+    kept = torch.zeros(2)  # a tensor among the constants is kept as its address
+    assert ArgTemplate((kept, Address(0)), base=0).fill((9,)) == (kept.data_ptr(), 9)
     with pytest.raises(ValueError, match="slot 0"):
         ArgTemplate((Address(1, offset=4),), base=0)
     with pytest.raises(ValueError, match="expected 2 addresses"):

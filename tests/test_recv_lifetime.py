@@ -1,4 +1,4 @@
-"""Receive-tensor lifetime (contract sections 4 and 5), bitwise against `epcomm.reference`.
+"""Receive-tensor lifetime (contract sections 4 and 5), bitwise against `epcomm.testing.reference`.
 
 Every process run covers `deterministic` off and on, outputs allocated on the compute stream and
 on the comm stream (`allocate_on_comm_stream`), and five routings (uneven token counts, balanced,
@@ -49,9 +49,9 @@ except ImportError:  # run from a checkout without PYTHONPATH=src
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "src"))
 
 from epcomm import Buffer  # noqa: E402
-from epcomm.launch import run_local_ranks  # noqa: E402
-from epcomm.reference import reference_dispatch  # noqa: E402
-from epcomm.verify import Case, assert_equal, make_inputs  # noqa: E402
+from epcomm.testing.launch import run_local_ranks  # noqa: E402
+from epcomm.testing.reference import reference_dispatch  # noqa: E402
+from epcomm.testing.verify import Case, assert_equal, make_inputs  # noqa: E402
 
 try:
     import pytest

@@ -1,4 +1,4 @@
-"""Tests of the independent reference (epcomm.reference) on gloo process groups.
+"""Tests of the independent reference (epcomm.testing.reference) on gloo process groups.
 
 The expected tensors of the 2-rank example are worked out by hand from docs/semantics.md.
 """
@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from epcomm.reference import ReferenceDispatch, reference_combine, reference_dispatch
+from epcomm.testing.reference import ReferenceDispatch, reference_combine, reference_dispatch
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
 BIG = 2.0 ** 30  # exact in bf16; BIG + 1 == BIG in fp32, so it reveals the summation order

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from epcomm import errors
-from epcomm.launch import run_local_ranks
+from epcomm.testing.launch import run_local_ranks
 
 pytest.importorskip("triton")
 
@@ -100,7 +100,7 @@ def _matrix(num_ranks):
     buffers = _buffer_pair()
     # One program per launch under the interpreter (it runs programs one after another).
     assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 1
-    assert buffers[1]._impl.heap_bytes == Buffer.get_buffer_size_hint(num_ranks, M, H, K)
+    assert buffers[1]._backend.heap_bytes == Buffer.get_buffer_size_hint(num_ranks, M, H, K)
     uneven = [M, 0, 5][rank % 3]  # uneven T, one rank with none
     seed = 0
     for expand, sync, align, fp8, with_w in itertools.product(
@@ -142,7 +142,7 @@ def test_hidden_not_a_power_of_two():
 
 def _memory_forms(num_ranks):
     from epcomm import Buffer
-    from epcomm.verify import memory_form_cases, run_cases
+    from epcomm.testing.verify import memory_form_cases, run_cases
     buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", device="cpu")
     return run_cases(buffer, memory_form_cases(2 * num_ranks, 11, quick=True), 11)
 
@@ -193,7 +193,7 @@ def _interleaved(num_ranks):
     num_experts = 2 * num_ranks
     buffers = _buffer_pair()
     from epcomm.backends.symmetric import symmetric_supported
-    assert symmetric_supported(buffers[1])  # collective: every rank asks
+    assert symmetric_supported(buffers[1].group, buffers[1].config)  # collective: all ask
     # Dispatches whose outputs must survive later calls through the same buffer.
     kept = []
     for step in range(6):
@@ -264,14 +264,18 @@ def test_cuda_sync_free_and_graph():
 def _record_launches():
     """A one-rank CPU symmetric buffer whose launches are recorded instead of run, and whose
     allocations come from a pool that hands a later run the same tensors: (buffer, pool,
-    launches, state). `state["kept"]`: whether kernels count as kept (untyped launches);
-    `state["next"] = 0` restarts the pool. A launch is recorded as (kernel, variant, typed,
-    arguments with tensors as addresses)."""
+    launches, state). `state["kept"]`: whether kernels count as kept (then calls are
+    prepared); `state["next"] = 0` restarts the pool; `state["checked"]`: dispatches whose
+    arguments were checked (a prepared call skips the checks). A launch is recorded as (kernel,
+    variant, "typed" or "filled" (from a prepared call's template), arguments with tensors as
+    addresses)."""
+    import epcomm.buffer as buffer_module
     from epcomm.backends.base import OutputAllocator
     from epcomm.buffer import Buffer
     from epcomm.kernels.launcher import Launcher
 
-    pool, launches, state = [], [], {"next": 0, "kept": False}
+    pool, launches = [], []
+    state = {"next": 0, "kept": False, "checked": 0}
 
     def empty(alloc, shape, dtype):
         index, state["next"] = state["next"], state["next"] + 1
@@ -280,32 +284,40 @@ def _record_launches():
             pool.append(torch.full(shape, 2, dtype=dtype))
         tensor = pool[index]
         assert tensor.shape == torch.Size(shape) and tensor.dtype == dtype, (index, shape, dtype)
-        if alloc is not None:
+        if alloc.allocated is not None:
             alloc.allocated.append(tensor)
         return tensor
 
-    def record(launcher, variant, stream, *args, typed=True):
-        launches.append((launcher.fn.__name__, variant, typed,
-                         [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args]))
+    def record(launcher, variant, stream, fields):
+        launches.append((launcher.fn.__name__, variant, "typed",
+                         [a.data_ptr() if isinstance(a, torch.Tensor) else a
+                          for a in launcher.bind(fields)]))
 
-    def record_untyped(launcher, variant, stream, args):
-        record(launcher, variant, stream, *args[:len(args) - len(launcher.tail)], typed=False)
+    def record_filled(launcher, variant, stream, args):
+        launches.append((launcher.fn.__name__, variant, "filled",
+                         list(args[:len(args) - len(launcher.tail)])))
+
+    check_dispatch = buffer_module.check_dispatch
+
+    def counted_check(*args, **kwargs):
+        state["checked"] += 1
+        return check_dispatch(*args, **kwargs)
 
     OutputAllocator.empty = empty
+    OutputAllocator.empty_all = lambda alloc, shapes, makers: [empty(alloc, *s) for s in shapes]
     Launcher.__call__ = record
-    Launcher.launch_untyped = record_untyped
+    Launcher.launch_filled = record_filled
     Launcher.kept = lambda launcher, variant: state["kept"] and variant is not None
+    buffer_module.check_dispatch = counted_check
     buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", device="cpu")
-    # A prepared dispatch allocates without an allocator: from the pool too.
-    buffer._direct_empty = lambda shape, dtype: empty(None, shape, dtype)
     return buffer, pool, launches, state
 
 
 def _launch_addresses(case_list):
-    """Every kernel launch of a dispatch, a cached dispatch and a combine per case, built typed
-    and untyped over the same tensors (the allocator hands both runs the same ones, launches
-    are recorded instead of run): (kernel, variant, typed, arguments with tensors as
-    addresses) per launch."""
+    """Every kernel launch of two dispatches, a cached dispatch and a combine per case, with
+    kernels not kept (typed launches) and kept (prepared calls where the call allows one), over
+    the same tensors (the pool hands both runs the same ones, launches are recorded instead of
+    run): per run (case, kept, launches, dispatches checked)."""
     buffer, pool, launches, state = _record_launches()
     results = []
     for case, (fp8, expand, sync, with_weights, biases, copy) in enumerate(case_list):
@@ -315,9 +327,9 @@ def _launch_addresses(case_list):
         inputs = {}
         pool.clear()
         for kept in (False, True):
-            state["kept"], state["next"] = kept, 0
+            state["kept"], state["next"], state["checked"] = kept, 0, 0
             launches.clear()
-            for _ in range(2):  # a sync-free call shape's second call reuses its plan
+            for _ in range(2):  # a sync-free call shape's second call takes the prepared call
                 _, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=8,
                                                      do_cpu_sync=sync, do_expand=expand,
                                                      do_handle_copy=copy)
@@ -328,34 +340,34 @@ def _launch_addresses(case_list):
                               weights=torch.rand((rows,) if expand else (rows, K))
                               if with_weights else None)
             buffer.combine(inputs["x"], handle, topk_weights=inputs["weights"], bias=bias)
-            results.append((case, kept, list(launches),
-                            (len(buffer._impl._plans), len(buffer._prepared))))
+            results.append((case, kept, list(launches), state["checked"]))
     return results
 
 
-def test_untyped_launches_pass_the_typed_addresses():
-    """What `typed=False` launches (a kept compiled kernel on the GPU) receive: the same
-    arguments as typed launches, pointer for pointer (a tensor and its address, a handle part
-    and its offset into the block), for both layouts, bf16 and FP8, with and without weights
-    and the handle's topk_idx copy, synchronizing (two dispatch launches) and sync-free (through
-    a `_SyncFreePlan`'s argument template, made by the first call of a call shape and filled
-    with new addresses by the second, which `Buffer` sends straight to the plan), cached
-    dispatch and biases."""
+def test_prepared_calls_pass_the_typed_addresses():
+    """What a prepared call's filled template launches (a kept compiled kernel on the GPU): the
+    same arguments as the typed launch of the same call, pointer for pointer (a tensor and its
+    address, a handle part and its offset into the block), for both layouts, bf16 and FP8,
+    with and without weights and the handle's topk_idx copy, synchronizing (two dispatch
+    launches) and sync-free (the first call of a call shape prepares it, the second takes the
+    prepared call without checks), cached dispatch (typed) and combine with biases (prepared
+    when kept)."""
     cases = [(False, False, False, True, 0, True), (False, True, False, True, 2, True),
              (True, False, True, False, 1, True), (True, True, True, True, 0, True),
              (False, False, True, True, 2, True), (True, False, False, False, 1, False),
              (True, True, False, True, 0, False)]
     results = run_local_ranks(_launch_addresses, 1, cases)[0]
-    plans = (0, 0)
-    for (case, kept, untyped, planned), (_, _, typed, _) in zip(results[1::2], results[0::2]):
-        # a sync-free dispatch makes one plan per call shape, only when its kernel is kept, and
-        # the buffer keeps it for the second call (which skips validation and the request)
-        sync_free = not cases[case][2]
-        assert planned == (plans[0] + sync_free, plans[1] + sync_free), (case, planned, plans)
-        plans = planned
-        assert kept and len(untyped) == len(typed) >= 4, (case, len(untyped), len(typed))
-        assert all(launch[2] for launch in typed) and not any(launch[2] for launch in untyped)
-        for got, want in zip(untyped, typed):
+    for (case, kept, prepared, checked), (_, _, typed, typed_checked) in \
+            zip(results[1::2], results[0::2]):
+        sync = cases[case][2]
+        assert kept and typed_checked == 3 and checked == 3 - (not sync), (case, checked)
+        # sync: count and receive launches per dispatch, one for the cached dispatch (typed);
+        # sync-free: one launch per dispatch, prepared but the cached one; combine prepared
+        want = ["typed"] * 5 + ["filled"] if sync else ["filled", "filled", "typed", "filled"]
+        assert [launch[2] for launch in prepared] == want, (case, prepared)
+        assert len(typed) == len(want), (case, len(typed))
+        assert all(launch[2] == "typed" for launch in typed)
+        for got, want in zip(prepared, typed):
             assert got[:2] == want[:2], (case, got[:2], want[:2])
             assert got[3] == want[3], (case, got[0], [
                 (i, a, b) for i, (a, b) in enumerate(zip(got[3], want[3])) if a != b])
@@ -363,9 +375,9 @@ def test_untyped_launches_pass_the_typed_addresses():
 
 def _scratch_address_per_call():
     """Sync-free dispatches (kernels kept, launches recorded) with 8, 8, 64, 8, 8 experts: the
-    third grows the receive scratch, whose address the plans' arguments hold. Per call: the
-    number of experts, whether the launch got the scratch's current address, and whether each
-    plan the buffer keeps is stale."""
+    third grows the receive scratch. Per call: the number of experts, the scratch address its
+    launch got, and whether its arguments were checked (not a prepared call)."""
+    from epcomm.kernels.dispatch import dispatch_kernel
     buffer, pool, launches, state = _record_launches()
     state["kept"] = True
     results = []
@@ -373,36 +385,34 @@ def _scratch_address_per_call():
         x, idx, weights = _data(0, M - 1, experts, False, False, 0)
         pool.clear()
         launches.clear()
-        state["next"] = 0
+        state["next"], state["checked"] = 0, 0
         buffer.dispatch(x, idx, weights, num_experts=experts, do_cpu_sync=False)
-        scratch = buffer._impl._hist_scratch.data_ptr()
-        results.append((experts, [scratch in launch[3] for launch in launches],
-                        [plan.stale for plan in buffer._prepared.values()]))
+        (kernel, _, kind, args), = launches
+        assert kernel == dispatch_kernel.__name__ and kind == "filled"
+        results.append((experts, args[dispatch_kernel.arg_names.index("hist_ptr")],
+                        bool(state["checked"])))
     return results
 
 
 def test_prepared_dispatch_follows_a_replaced_scratch():
-    """A plan kept by the buffer holds the receive scratch's address; when a call with more
-    local experts replaces the scratch, the old plans turn stale and the next call of their
-    shape makes a new plan instead of launching with the freed address."""
+    """A prepared call reads the receive scratch's current address per call: when a call with
+    more local experts replaces the scratch (the old one is freed), the prepared call of the
+    first shape launches with the new address."""
     results = run_local_ranks(_scratch_address_per_call, 1)[0]
-    assert results == [(8, [True], [False]), (8, [True], [False]),
-                       (64, [True], [True, False]), (8, [True], [False, False]),
-                       (8, [True], [False, False])], results
+    experts, scratch, checked = zip(*results)
+    assert experts == (8, 8, 64, 8, 8) and checked == (True, False, True, False, False)
+    assert scratch[0] == scratch[1] != scratch[2] == scratch[3] == scratch[4], scratch
 
 
 def _routes_per_memory_form():
     """Sync-free dispatches of one call shape (kernels kept, launches recorded) whose x or
-    topk_idx is in another memory form each call: per call, the tensor and its form, whether
-    each launch was untyped (through a plan), and whether the launch got the caller's own x and
-    topk_idx addresses (not copies); then how many calls took the buffer's prepared call, and
-    how many the buffer keeps."""
-    from epcomm.verify import in_memory_form
+    topk_idx is in another memory form each call: per call, the tensor and its form, each
+    launch's kind, whether the launch got the caller's own x and topk_idx addresses (not
+    copies), and whether the call's arguments were checked (not the buffer's prepared call)."""
+    from epcomm.testing.verify import in_memory_form
     buffer, pool, launches, state = _record_launches()
     state["kept"] = True
     x, idx, weights = _data(0, M - 1, 8, False, False, 0)
-    prepared_calls, dispatch_prepared = [], buffer._dispatch_prepared
-    buffer._dispatch_prepared = lambda *args: prepared_calls.append(1) or dispatch_prepared(*args)
     results = []
     for which, form in (("x", "plain"), ("x", "strided"), ("x", "offset"),
                         ("idx", "strided"), ("idx", "offset"), ("x", "plain")):
@@ -410,27 +420,27 @@ def _routes_per_memory_form():
         call_idx = in_memory_form(idx, form) if which == "idx" else idx
         pool.clear()
         launches.clear()
-        state["next"] = 0
+        state["next"], state["checked"] = 0, 0
         buffer.dispatch(call_x, call_idx, weights, num_experts=8, do_cpu_sync=False)
         results.append((which, form, [launch[2] for launch in launches],
-                        call_x.data_ptr() in launches[0][3], call_idx.data_ptr() in launches[0][3]))
-    return results, len(prepared_calls), len(buffer._prepared)
+                        call_x.data_ptr() in launches[0][3],
+                        call_idx.data_ptr() in launches[0][3], bool(state["checked"])))
+    return results
 
 
 def test_prepared_dispatch_leaves_for_other_memory_forms():
     """A call of a prepared call shape whose tensors are not contiguous or not 16-byte aligned
     leaves the buffer's prepared call: such tensors are copied (every kernel variant is
     compiled at warm-up for aligned pointers, and rows move as 4-byte words), then the
-    backend's plan of the shape runs on the copies; the next plain call takes the prepared
-    call again."""
-    results, prepared_calls, prepared = run_local_ranks(_routes_per_memory_form, 1)[0]
-    assert results == [("x", "plain", [False], True, True),
-                       ("x", "strided", [False], False, True),
-                       ("x", "offset", [False], False, True),
-                       ("idx", "strided", [False], True, False),
-                       ("idx", "offset", [False], True, False),
-                       ("x", "plain", [False], True, True)], results
-    assert prepared_calls == 1 and prepared == 1  # (the last call only)
+    backend's prepared call of the shape runs on the copies; the next plain call takes the
+    prepared call again, unchecked."""
+    results = run_local_ranks(_routes_per_memory_form, 1)[0]
+    assert results == [("x", "plain", ["filled"], True, True, True),
+                       ("x", "strided", ["filled"], False, True, True),
+                       ("x", "offset", ["filled"], False, True, True),
+                       ("idx", "strided", ["filled"], True, False, True),
+                       ("idx", "offset", ["filled"], True, False, True),
+                       ("x", "plain", ["filled"], True, True, False)], results
 
 
 def test_remember_example():
@@ -440,34 +450,29 @@ def test_remember_example():
     assert remember(cache, "b", 4, limit=2) is None and cache == {"b": 4, "c": 3}
 
 
-def _plans_beyond_the_limit():
+def _prepared_beyond_the_limit():
     """Sync-free dispatches (kernels kept, launches recorded) of 7, 6, 5, 7, 7 tokens with the
-    per-call-shape caches limited to 2 entries. Per call: the tokens, the sizes of the backend's
-    plans and the buffer's prepared calls, whether the first 7-token plan is stale, and whether
-    the launch was untyped (through a plan)."""
+    per-call-shape caches limited to 2 entries. Per call: the tokens, whether its arguments
+    were checked (not a prepared call), and its launches' kinds."""
     from epcomm.backends import base
     base.CACHE_LIMIT = 2
     buffer, pool, launches, state = _record_launches()
     state["kept"] = True
-    results, first = [], None
+    results = []
     for tokens in (7, 6, 5, 7, 7):
         x, idx, weights = _data(0, tokens, 8, False, False, 0)
         pool.clear()
         launches.clear()
-        state["next"] = 0
+        state["next"], state["checked"] = 0, 0
         buffer.dispatch(x, idx, weights, num_experts=8, do_cpu_sync=False)
-        first = first or next(iter(buffer._prepared.values()))
-        results.append((tokens, len(buffer._impl._plans), len(buffer._prepared), first.stale,
-                        [launch[2] for launch in launches]))
+        results.append((tokens, bool(state["checked"]), [launch[2] for launch in launches]))
     return results
 
 
-def test_plan_caches_drop_the_oldest_and_mark_it_stale():
-    """A loop whose token count changes every call keeps at most `CACHE_LIMIT` plans: the
-    oldest is dropped and marked stale (a buffer may still hold it), and a call of its shape
-    later makes a new plan."""
-    results = run_local_ranks(_plans_beyond_the_limit, 1)[0]
-    assert results == [(7, 1, 1, False, [False]), (6, 2, 2, False, [False]),
-                       (5, 2, 2, True, [False]), (7, 2, 2, True, [False]),
-                       (7, 2, 2, True, [False])], results
-
+def test_prepared_calls_beyond_the_cache_limit():
+    """A loop whose token count changes every call keeps at most `CACHE_LIMIT` prepared calls:
+    the oldest is dropped, and a call of its shape later prepares it again (checked once
+    more), then takes it."""
+    results = run_local_ranks(_prepared_beyond_the_limit, 1)[0]
+    assert results == [(7, True, ["filled"]), (6, True, ["filled"]), (5, True, ["filled"]),
+                       (7, True, ["filled"]), (7, False, ["filled"])], results

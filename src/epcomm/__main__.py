@@ -13,7 +13,7 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     bench_parser = commands.add_parser(
         "bench", help="check and time dispatch / combine against all_to_all_single",
-        description="Check one dispatch + combine per case against epcomm.reference, then "
+        description="Check one dispatch + combine per case against epcomm.testing.reference, then "
                     "time dispatch and combine next to an all_to_all_single baseline.")
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(run=bench.main)

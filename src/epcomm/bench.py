@@ -3,7 +3,7 @@
 For each case (configuration x layout x dispatch dtype x sync mode) every rank
 
 1. checks one dispatch + combine through `Buffer` against the independent reference
-   (`epcomm.reference`) with the checker the tests use (`epcomm.verify`: bitwise, sync-free
+   (`epcomm.testing.reference`) with the checker the tests use (`epcomm.testing.verify`: bitwise, sync-free
    outputs by the handle's device counts and the contract's "past the prefix" conventions);
 2. times dispatch and combine separately: warm-up, barrier, N back-to-back calls, synchronize;
    wall-clock per call (and the host time spent inside the calls).
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import statistics
@@ -35,9 +34,9 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["BenchConfig", "CONFIGS", "add_arguments", "run", "main"]
+from .fp8 import num_scales
 
-FP8_BLOCK = 128
+__all__ = ["BenchConfig", "CONFIGS", "add_arguments", "run", "main"]
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -137,7 +136,7 @@ def _row_bytes(hidden: int, dtype: str) -> int:
     """Bytes of one dispatched row: bf16, or FP8 plus its fp32 per-128-channel scales."""
     if dtype == "bf16":
         return 2 * hidden
-    return hidden + 4 * math.ceil(hidden / FP8_BLOCK)
+    return hidden + 4 * num_scales(hidden)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -191,7 +190,7 @@ def _expert_outputs(vcase, ref, handle, device: torch.device):
     differs), `handle.num_output_rows` rows; the rows combine must ignore
     (`verify.ignored_rows`) hold garbage (1024 and weight 7). Returns (y, weights)."""
     from .fp8 import per_token_cast_back
-    from .verify import ignored_rows
+    from .testing.verify import ignored_rows
 
     y_ref = ref.recv_x if not vcase.fp8 else per_token_cast_back(*ref.recv_x)
     w_ref = ref.recv_topk_weights
@@ -229,7 +228,8 @@ def _all_to_all_counts(send: list[int], device: torch.device, group) -> list[int
 
 def _rank_main(opts: Options) -> dict:
     """Runs on every rank; returns this rank's raw measurements."""
-    from . import bench_peer, verify
+    from . import bench_peer
+    from .testing import verify
     from .buffer import Buffer
     from .fp8 import per_token_cast_to_fp8
 
@@ -623,7 +623,7 @@ def resolve_options(args: argparse.Namespace) -> Options:
 
 def run(opts: Options) -> dict:
     """Run the benchmark on `opts.ranks` local ranks; return the report (rows + machine)."""
-    from .launch import run_local_ranks
+    from .testing.launch import run_local_ranks
 
     started = time.perf_counter()
     per_rank = run_local_ranks(_rank_main, opts.ranks, opts, pg_backend=opts.pg_backend,
@@ -666,7 +666,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sync-free", action=argparse.BooleanOptionalAction, default=True,
                         help="also time do_cpu_sync=False (default: yes)")
     parser.add_argument("--no-check", dest="check", action="store_false",
-                        help="skip the check against epcomm.reference")
+                        help="skip the check against epcomm.testing.reference")
     parser.add_argument("--json", default=None, metavar="PATH",
                         help="write every figure and the machine info as JSON")
     parser.add_argument("--seed", type=int, default=None,

@@ -12,22 +12,23 @@ from typing import Tuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK_SIZE", "FP8_MAX", "per_token_cast_to_fp8", "per_token_cast_back"]
+__all__ = ["BLOCK_SIZE", "FP8_MAX", "num_scales", "per_token_cast_to_fp8", "per_token_cast_back"]
 
-BLOCK_SIZE = 128
+BLOCK_SIZE = 128  # channels per scale, for every FP8 path of the library
 FP8_MAX = 448.0
 _AMAX_MIN = 1e-4
 _INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def _num_blocks(hidden: int) -> int:
+def num_scales(hidden: int) -> int:
+    """Scales per token row of `hidden` channels: ceil(hidden / 128)."""
     return (hidden + BLOCK_SIZE - 1) // BLOCK_SIZE
 
 
 def _blocks(x: torch.Tensor) -> torch.Tensor:
     """``[T, H]`` -> fp32 ``[T, ceil(H/128), 128]``, the last block zero-padded."""
     num_tokens, hidden = x.shape
-    num_blocks = _num_blocks(hidden)
+    num_blocks = num_scales(hidden)
     padded = F.pad(x.float(), (0, num_blocks * BLOCK_SIZE - hidden))
     return padded.view(num_tokens, num_blocks, BLOCK_SIZE)
 
@@ -70,7 +71,7 @@ def per_token_cast_back(x_fp8: torch.Tensor, scales: torch.Tensor) -> torch.Tens
     if x_fp8.dim() != 2:
         raise ValueError(f"x_fp8 must be 2-D [T, H], got shape {tuple(x_fp8.shape)}")
     num_tokens, hidden = x_fp8.shape
-    expected = (num_tokens, _num_blocks(hidden))
+    expected = (num_tokens, num_scales(hidden))
     if tuple(scales.shape) != expected:
         raise ValueError(f"scales must have shape {expected} for x_fp8 {tuple(x_fp8.shape)}, "
                          f"got {tuple(scales.shape)}")

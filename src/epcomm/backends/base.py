@@ -1,17 +1,40 @@
 """The narrow interface between the public `Buffer` and a communication backend.
 
 `Buffer` validates arguments, picks streams and wraps results; a backend only moves data. It
-gets already-checked requests and returns outputs allocated through `OutputAllocator`, so the
-caller decides which stream's allocator pool owns them.
+is built from a `BufferConfig` and a process group, gets already-checked requests and returns
+outputs allocated through `OutputAllocator`, so the caller decides which stream's allocator
+pool owns them. A backend may keep a `PreparedDispatch` per sync-free call shape (one cache,
+in the backend): a later call of that shape then skips validation and the request.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Hashable, Optional, Protocol, Sequence
 
 import torch
 
 from ..handle import EPHandle
+
+
+@dataclass(frozen=True)
+class BufferConfig:
+    """What a `Buffer` was made with, as its backend sees it.
+
+    device: where tensors live; rank, num_ranks: this rank and the group size;
+    num_max_tokens_per_rank: M; hidden: H; num_topk: K; timeout_s: how long a peer may be
+    waited for; num_sms: the programs of the symmetric backend's kernels (None: its default);
+    buffer_id: stamped on every handle, so a handle is only used with the buffer that made it.
+    """
+
+    device: torch.device
+    rank: int
+    num_ranks: int
+    num_max_tokens_per_rank: int
+    hidden: int
+    num_topk: int
+    timeout_s: float
+    num_sms: Optional[int]
+    buffer_id: int
 
 
 # Entries a per-call-shape cache keeps (plans, layouts): a loop whose token count changes every
@@ -47,6 +70,17 @@ class OutputAllocator:
         self.current = current
         self.allocated: Optional[list[torch.Tensor]] = [] if remember else None
 
+    def empty_all(self, shapes: Sequence[tuple], makers: Sequence) -> list[torch.Tensor]:
+        """One tensor per `(shape, dtype)` of `shapes`; `makers`: for each, a call with no
+        arguments that makes it on the current stream (`partial(torch.empty, *shape, ...)`:
+        no argument parsing per call), used when the allocation stream is the current one."""
+        if self.stream is not self.current:
+            return [self.empty(shape, dtype) for shape, dtype in shapes]
+        tensors = [make() for make in makers]
+        if self.allocated is not None:
+            self.allocated += tensors
+        return tensors
+
     def empty(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         # (`torch.empty(*shape)`: parsing a size tuple costs 0.4 us more per call, CPU harness)
         if self.stream is self.current:  # the same object (Stream.__eq__ costs 1.8 us)
@@ -75,6 +109,8 @@ class DispatchRequest:
     topk_idx: [T, K] int64 or int32; topk_weights: [T, K] fp32 or None.
     cached: a handle whose routing and layout are reused (no count exchange), or None.
     copy_topk_idx: the new handle must hold a copy of `topk_idx` (made on the comm stream).
+    key: the call shape of a sync-free dispatch without a handle (`checks.call_key`), under
+        which the backend may keep a `PreparedDispatch`; None for other calls.
     """
 
     rows: Sequence[torch.Tensor]
@@ -90,26 +126,32 @@ class DispatchRequest:
     alloc: OutputAllocator
     copy_topk_idx: bool = False  # the handle keeps a copy of topk_idx, not the caller's tensor
     stream: Optional["torch.cuda.Stream"] = None  # where the device work goes (see Backend)
+    key: Optional[Hashable] = None
 
 
 @dataclass
 class DispatchResult:
-    """recv_rows: one received tensor per request row tensor; other fields as `Buffer.dispatch`.
-
-    prepared: the backend's prepared call of this sync-free call shape, or None. `Buffer` keeps
-    it for later calls with the same validated arguments and then skips the request:
-    `prepared.takes(addresses)`, the addresses of the contiguous caller tensors in the order
-    (*rows, topk_idx, topk_weights if any) (False: this call cannot take it), then
-    `prepared.run(addresses, topk_idx, empty, stream)` -> a `DispatchResult`, where
-    `empty(shape, dtype)` allocates (`OutputAllocator.empty`; None: `torch.empty` on the
-    current stream); `prepared.stale`: never run it again (make a new one).
-    """
+    """recv_rows: one received tensor per request row tensor; other fields as `Buffer.dispatch`
+    (the handle complete: every field set by the backend)."""
 
     recv_rows: list[torch.Tensor]
     recv_topk_idx: Optional[torch.Tensor]
     recv_topk_weights: Optional[torch.Tensor]
     handle: EPHandle
-    prepared: Optional[Any] = None
+
+
+class PreparedDispatch(Protocol):
+    """A backend's sync-free dispatch of one call shape, everything but its tensors prepared.
+
+    addresses: the caller tensors' addresses in the order (*rows, topk_idx, topk_weights if
+    any), from `checks.call_key`; the tensors are contiguous and of the call shape."""
+
+    def takes(self, addresses: Sequence[int]) -> bool:
+        """Whether a call with these addresses can run now (else it takes the general path)."""
+
+    def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc: "OutputAllocator",
+            stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
+        """Allocate the outputs through `alloc`, queue the call on `stream`, return them."""
 
 
 @dataclass
@@ -125,7 +167,7 @@ class CombineRequest:
 
 
 class Backend:
-    """What every backend provides. `rank`, `num_ranks` and `device` are set by the subclass.
+    """What every backend provides; `config` is the buffer's.
 
     `explicit_streams`: the backend queues all device work of a sync-free call on the
     request's `stream` itself and allocates only through the request's allocator, so the
@@ -136,9 +178,20 @@ class Backend:
     name = "abstract"
     explicit_streams = False
     input_alignment = 1
-    rank: int
-    num_ranks: int
-    device: torch.device
+
+    def __init__(self, config: BufferConfig) -> None:
+        self.config = config
+        self.rank, self.num_ranks, self.device = config.rank, config.num_ranks, config.device
+
+    @property
+    def num_sms(self) -> Optional[int]:
+        """The programs of the backend's kernels (None: it has none)."""
+        return None
+
+    def prepared_dispatch(self, key: Hashable) -> Optional[PreparedDispatch]:
+        """The prepared call kept for the sync-free call shape `key`, or None (the call then
+        goes through `dispatch`, which may prepare one for the next call)."""
+        return None
 
     def dispatch(self, request: DispatchRequest) -> DispatchResult:
         raise NotImplementedError

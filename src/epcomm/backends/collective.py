@@ -24,7 +24,7 @@ from .. import errors
 from ..handle import EPHandle
 from ..layout import (SendLayout, compute_expert_layout, compute_send_layout, expand_capacity,
                       last_slot_per_rank)
-from .base import Backend, CombineRequest, DispatchRequest, DispatchResult
+from .base import Backend, BufferConfig, CombineRequest, DispatchRequest, DispatchResult
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """View a 2-D [T, n] tensor as [T, n * itemsize] uint8 (copying only if not contiguous)."""
@@ -101,12 +101,11 @@ class _CollectiveState:
 class CollectiveBackend(Backend):
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, timeout_s: float) -> None:
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+        super().__init__(config)
         self.group = group
-        self.timeout = timedelta(seconds=timeout_s)
-        self.rank = dist.get_rank(group)
-        self.num_ranks = dist.get_world_size(group)
-        self.device = device
+        self.timeout = timedelta(seconds=config.timeout_s)
+        device = self.device
         self._stage_on_host = device.type == "cuda" and dist.get_backend(group) == "gloo"
         self._flags = torch.zeros((), dtype=torch.int32, device=device)
 
@@ -289,6 +288,9 @@ class CollectiveBackend(Backend):
             do_cpu_sync=sync,
             num_recv_tokens=num_rows,
             num_expanded_tokens=num_expanded,
+            buffer_id=self.config.buffer_id,
+            num_tokens=request.topk_idx.shape[0],
+            hidden=self.config.hidden,
             backend_state=state,
         )
         return DispatchResult(recv_rows, recv_topk_idx, recv_weights, handle)

@@ -10,6 +10,10 @@
   docs/semantics.md).
 - `common`: vector-access, copy and prefix-sum helpers; `launcher`: how the host launches them.
 
+Comment lines `# phase-mark: <name>` in the kernels are read by the phase tracer
+(`scripts/gpu_phases.py`, which puts a time stamp at each in a traced copy): keep each where its
+phase ends, and rename or remove one only together with that script's `MARKS`.
+
 Kernels take local tensors, runtime sizes and a table of heap base addresses (`bases`, int64
 `[R]`); they know nothing about process groups. Heap memory is only ever reached through
 `bases`, never passed as a tensor argument (the interpreter copies tensor arguments back after

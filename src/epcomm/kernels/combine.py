@@ -220,26 +220,42 @@ def launcher(shape: KernelShape) -> Launcher:
     return shape.launcher(combine_kernel, width="BLOCK_H")
 
 
-def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata,
-            x, weights: Optional[torch.Tensor], expand: bool, slots,
-            biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
-            timeout: int, stream=None, typed: bool = True,
-            variant: Optional[tuple] = None, kernel: Optional[Launcher] = None) -> None:
-    """A whole combine on this rank, one launch: return every received row to its source, then,
-    once every peer's rows have arrived, `out[t] = bf16(0.0 + bias0[t] + bias1[t] +
-    record(slots[t, j]) for the slots j >= 0 whose record no later slot repeats)`, summed in
-    fp32 in that order, and `weights_out[t, j]` = weight j of record `slots[t, j]` (0 where
-    `slots[t, j] < 0`).
+def arguments(stage: Stage, layout: CombineLayout, sync, rank_psum, metadata, x,
+              weights: Optional[torch.Tensor], expand: bool, slots,
+              biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
+              timeout: int) -> dict:
+    """Every argument of one launch of `combine_kernel` by name (its constexprs excepted).
 
     Returned side: rank_psum [R] int32 and metadata [rows, K + 2] int32, the dispatch
     handle's; x: bf16 [rows, H] (compact) or [expand rows, H]; weights: fp32 [rows, K]
     (compact), [expand rows] (expand) or None. Reduced side: slots [T, K] int32, the dispatch
     send's slot_out (record `d * S + p`: rank d returned it for the token this rank sent it as
     its p-th); biases: zero, one or two bf16 [T, H]; out: bf16 [T, H]; weights_out: fp32 [T, K]
-    or None. variant: `variant(x, weights, biases)` (None: the generic path). `typed=False`
-    (allowed when `launcher(shape).kept(variant)`): the backend's pointers (sync, rank_psum,
-    metadata, slots, error) may be addresses, and no dtype views are made. kernel:
-    `launcher(shape)`, if the caller keeps it.
+    or None. Any tensor may be a `launcher.Address` stand-in (a prepared call's template)."""
+    has_w, has_w_out = weights is not None, weights_out is not None
+    bias0, bias1 = (*biases, out, out)[:2]  # (absent biases are never read)
+    return dict(stage.fields, record_words=layout.words, weight_offset=layout.weight_offset,
+                sync_ptr=sync, rank_psum_ptr=rank_psum, meta_ptr=metadata,
+                x_ptr=x.view(torch.int16), expand=int(expand),
+                weights_ptr=weights.view(torch.int32) if has_w else metadata, has_w=int(has_w),
+                num_tokens=out.shape[0], slot_ptr=slots, bias0_ptr=bias0.view(torch.int16),
+                bias1_ptr=bias1.view(torch.int16), num_biases=len(biases),
+                out_ptr=out.view(torch.int16),
+                w_out=weights_out.view(torch.int32) if has_w_out else slots,
+                has_w_out=int(has_w_out), hidden=x.shape[1], error_ptr=error, timeout=timeout)
+
+
+def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata,
+            x, weights: Optional[torch.Tensor], expand: bool, slots,
+            biases: Sequence[torch.Tensor], out, weights_out: Optional[torch.Tensor], error,
+            timeout: int, stream=None, variant: Optional[tuple] = None,
+            kernel: Optional[Launcher] = None) -> None:
+    """A whole combine on this rank, one launch: return every received row to its source, then,
+    once every peer's rows have arrived, `out[t] = bf16(0.0 + bias0[t] + bias1[t] +
+    record(slots[t, j]) for the slots j >= 0 whose record no later slot repeats)`, summed in
+    fp32 in that order, and `weights_out[t, j]` = weight j of record `slots[t, j]` (0 where
+    `slots[t, j] < 0`). Tensors as in `arguments`. variant: `variant(x, weights, biases)`
+    (None: the generic path). kernel: `launcher(shape)`, if the caller keeps it.
 
     Example (one rank, H 2, K 2, compact): rank_psum = [1], metadata = [[0, 1, 0, 2]],
     x = bf16 [[5, 6]], weights = [[0.5, 0.25]], slots = [[0, 0], [-1, -1]],
@@ -247,16 +263,6 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
     out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]]; the ready and free counters
     += P.
     """
-    has_w, has_w_out = weights is not None, weights_out is not None
-    if typed:
-        x, out = x.view(torch.int16), out.view(torch.int16)
-        biases = [bias.view(torch.int16) for bias in biases]
-        weights = weights.view(torch.int32) if has_w else weights
-        weights_out = weights_out.view(torch.int32) if has_w_out else weights_out
-    bias0, bias1 = (*biases, out, out)[:2]  # (absent biases are never read)
-    (kernel or launcher(shape))(
-        variant, stream, *(stage.args if typed else stage.untyped_args),
-        layout.words, layout.weight_offset, sync, rank_psum, metadata, x, int(expand),
-        weights if has_w else metadata, int(has_w), out.shape[0], slots, bias0, bias1,
-        len(biases), out, weights_out if has_w_out else slots, int(has_w_out), x.shape[1], error,
-        timeout, typed=typed)
+    (kernel or launcher(shape))(variant, stream, arguments(
+        stage, layout, sync, rank_psum, metadata, x, weights, expand, slots, biases, out,
+        weights_out, error, timeout))

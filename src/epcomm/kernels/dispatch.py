@@ -91,14 +91,15 @@ def payload_words(rows: Sequence[torch.Tensor]) -> tuple[int, ...]:
     return tuple(row.shape[1] * row.element_size() // 4 for row in rows)
 
 
-def _fields(rows: Sequence, layout: RecordLayout, typed: bool = True):
-    """(words tensor, words, offset) of payload 0 and 1; a missing payload 1 has 0 words.
-    Untyped: the rows as given (tensors of any dtype, or addresses)."""
-    words = [row.view(torch.int32) for row in rows] if typed else rows
+def _fields(rows: Sequence, layout: RecordLayout, names: tuple[str, ...]) -> dict:
+    """The payload fields of a phase: for payload 0 and 1, the rows as int32 words, their
+    words per row and their word offset in a record, under `names` (six: pointer, words and
+    offset of each); a missing payload 1 has 0 words."""
+    words = [row.view(torch.int32) for row in rows]
     sizes, offsets = layout.payload_words, layout.offsets
     first = (words[0], sizes[0], offsets[0])
     second = (words[1], sizes[1], offsets[1]) if len(words) > 1 else (words[0], 0, 0)
-    return first + second
+    return dict(zip(names, first + second))
 
 
 @triton.jit
@@ -156,6 +157,7 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     begin, end = program_chunk(num_tokens)
+    # phase-mark: send-start
 
     # 1. Tokens of this chunk per destination.
     sent_here = tl.full([BLOCK_R], 0, tl.int32)
@@ -170,11 +172,13 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
             at = tt.to(tl.int64)[:, None] * K + kk[None, :]
             mask = (tt < end)[:, None] & kmask[None, :]
             tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=mask), mask=mask)
+    # phase-mark: send-counted
     tl.store(counts_scratch + pid * BLOCK_R + rr, sent_here)
     if bad > 0:
         tl.atomic_or(error_ptr, INVALID_EXPERT_ID)
     call = grid_barrier(sync_ptr + 0, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
+    # phase-mark: send-grid-barrier
     # 2. This chunk's first position per destination, and every destination's total.
     pp = tl.arange(0, BLOCK_P)  # every program's counts in one load: one L2 round trip
     counts = tl.load(counts_scratch + pp[:, None] * BLOCK_R + rr[None, :],
@@ -186,6 +190,7 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
     await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
                    (call - 1) * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
+    # phase-mark: send-peers-freed
     # 4. Per tile of tokens: positions (to the scratch, whose rows the stores below read one
     # destination at a time, and as record numbers at their rank to slot_out), then records.
     running = before
@@ -224,6 +229,7 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
                     region_offset, first_slot, record_words, pos_scratch, tt, tmask, num_ranks,
                     VEC, BLOCK_W)
 
+    # phase-mark: send-records-pushed
     # 5. Counts, then this program's share of every destination's ready counter.
     tl.debug_barrier()
     if pid == 0:
@@ -341,6 +347,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
     if pid == 0:
         tl.store(rank_psum_out + rr, psum, mask=rmask)
     begin, end = program_chunk(num_rows)
+    # phase-mark: receive-ready
 
     # 2. Per compact row: ids, weights, source metadata (local expert ids in the expand-row
     # slots for now), compact payload. Per group of GROUP rows (program p's i-th group is
@@ -404,8 +411,10 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                          keys.to(idx_out.dtype.element_ty), mask=hmask)
                 tl.store(w_out + n64[:, None] * K + kk[None, :], weights,
                          mask=flag_mask(hmask, has_w))
+    # phase-mark: receive-rows-copied
     grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
 
+    # phase-mark: receive-grid-barrier
     # 3. Each program owns a contiguous share of the experts: for each, the group counts
     # become exclusive prefixes over the groups (in place) and the total goes to the
     # per-expert counts.
@@ -420,7 +429,9 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
             tl.store(column + t0 + tt, carry + running_total(per_group) - per_group, mask=tmask)
             carry += total(per_group)
         tl.store(expert_count_out + e, carry)
+    # phase-mark: receive-expert-totals
     grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
+    # phase-mark: receive-grid-barrier-2
     # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned first
     # row, and the alignment gaps of the experts e % P == pid.
     carry = tl.full([], 0, tl.int32)
@@ -449,6 +460,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                         _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
                         _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
 
+    # phase-mark: receive-first-rows
     # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
     # groups, plus its rank in the group. Tiles are independent.
     overflow = tl.full([], 0, tl.int32)
@@ -469,6 +481,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
             fits = target < capacity
             overflow += total(total((valid & ~fits).to(tl.int32)))
             tl.store(slots, tl.where(fits, target, -1), mask=valid)
+    # phase-mark: receive-expand-rows
     if overflow > 0:
         tl.atomic_or(error_ptr, EXPAND_OVERFLOW)
 
@@ -505,6 +518,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                 if zero_padding != 0:
                     _zero_rows(p0_out, tail_begin, tail_end, w0, VEC, ROWS, BLOCK_W)
                     _zero_rows(p1_out, tail_begin, tail_end, w1, VEC, ROWS, BLOCK_W)
+        # phase-mark: receive-done
         # 5. This program is done with the staging region.
         add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask),
                      rmask)
@@ -567,15 +581,14 @@ def launcher(shape: KernelShape, layout: RecordLayout) -> Launcher:
 
 def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
                weights: Optional[torch.Tensor], rows: Sequence[torch.Tensor],
-               layout: RecordLayout, slot_out, idx_copy=None, typed: bool = True) -> tuple:
-    """The source side of a dispatch.
+               layout: RecordLayout, slot_out, idx_copy=None) -> dict:
+    """The source side of a dispatch, as `dispatch_kernel`'s arguments by name.
 
     topk_idx: [T, K] int32/int64 global expert ids; weights: [T, K] fp32 or None; rows: the
     payload tensors [T, *]; slot_out: [T, K] int32, receives `d * S + p` for a slot whose rank d
     gets the token as its p-th, -1 for an invalid slot; idx_copy (like topk_idx, or None)
     receives a copy of topk_idx. counts_scratch: int32 [P * next_pow2(R)], pos_scratch: int32
-    [>= T * R]. `typed=False`: arguments for a kept kernel (`launcher.Launcher.kept`): the
-    backend's pointers may be addresses, no dtype views are made.
+    [>= T * R]. Any tensor may be a `launcher.Address` stand-in (a prepared call's template).
 
     Example (one rank, E 4, S 4, K 2, x = bf16 [[1, 2], [3, 4]] (one word per row; records of
     12 words: header 5, payload at word 8), topk_idx = [[0, 3], [-1, -1]], no weights): record
@@ -583,12 +596,13 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
     counter += P, count slot = 1.
     """
     has_w = weights is not None
-    if has_w and typed:
-        weights = weights.view(torch.int32)
-    return (counts_scratch, pos_scratch, topk_idx, topk_idx.shape[0], num_experts,
-            topk_idx if idx_copy is None else idx_copy, int(idx_copy is not None),
-            weights if has_w else counts_scratch, int(has_w), *_fields(rows, layout, typed),
-            slot_out)
+    return dict(counts_scratch=counts_scratch, pos_scratch=pos_scratch, idx_ptr=topk_idx,
+                num_tokens=topk_idx.shape[0], num_experts=num_experts,
+                idx_copy=topk_idx if idx_copy is None else idx_copy,
+                copy_idx=int(idx_copy is not None),
+                weights_ptr=weights.view(torch.int32) if has_w else counts_scratch,
+                has_w=int(has_w), slot_out=slot_out,
+                **_fields(rows, layout, ("p0_ptr", "w0", "off0", "p1_ptr", "w1", "off1")))
 
 
 # Experts per step of the receive-side scan (E_l <= 256 takes one step on the GPU) and groups
@@ -621,8 +635,8 @@ def hist_scratch_words(programs: int, rows: int, max_rows: int, num_local: int,
 def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
                   num_local: int, alignment: int, capacity: int, out_rows: int, expand: bool,
                   zero_padding: bool, tail: bool, idx_out, weights_out, metadata, rank_psum,
-                  expert_counts, expert_psum, rows_out, typed: bool = True) -> tuple:
-    """The destination side of a dispatch.
+                  expert_counts, expert_psum, rows_out) -> dict:
+    """The destination side of a dispatch, as `dispatch_kernel`'s arguments by name.
 
     Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
     (int32); with `full`, metadata [out_rows, K + 2] int32, idx_out [out_rows, K] (compact),
@@ -632,43 +646,44 @@ def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
     num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
     (`full=False`) passes a bound it cannot reach. hist_scratch: int32
-    [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. `typed` as in
-    `send_phase`.
+    [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. Tensors may be
+    `Address` stand-ins as in `send_phase`.
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send_phase` example):
     rank_psum = [1], expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4],
     idx_out = [[0, 3]], metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
     """
-    w_dummy = metadata if weights_out is None else \
-        weights_out.view(torch.int32) if typed else weights_out
     payload = rows_out if rows_out else [metadata]
-    return (SYNC_RECEIVE if full else SYNC_COUNT, hist_scratch, max_tokens,
-            num_local, alignment, capacity, out_rows, int(full), int(expand), int(zero_padding),
-            int(tail), metadata if idx_out is None else idx_out, w_dummy,
-            int(weights_out is not None), metadata, rank_psum, expert_counts, expert_psum,
-            *_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,)),
-                     typed))
+    return dict(barrier_slot=SYNC_RECEIVE if full else SYNC_COUNT, hist_ptr=hist_scratch,
+                max_tokens=max_tokens, num_local=num_local, alignment=alignment,
+                capacity=capacity, out_rows=out_rows, full=int(full), expand=int(expand),
+                zero_padding=int(zero_padding), tail=int(tail),
+                idx_out=metadata if idx_out is None else idx_out,
+                w_out=metadata if weights_out is None else weights_out.view(torch.int32),
+                has_w_out=int(weights_out is not None), meta_out=metadata,
+                rank_psum_out=rank_psum, expert_count_out=expert_counts,
+                expert_psum_out=expert_psum,
+                **_fields(payload, layout if rows_out else RecordLayout(layout.num_topk, (0,)),
+                          ("q0_out", "v0", "o0", "q1_out", "v1", "o1")))
 
 
-def arguments(stage: Stage, layout: RecordLayout, sync, error, timeout: int, send: tuple,
-              receive: tuple, *, do_send: bool = True, do_receive: bool = True,
-              typed: bool = True) -> tuple:
-    """The arguments of one launch of `dispatch_kernel` (its constexprs excepted): `run`'s."""
-    return (*(stage.args if typed else stage.untyped_args), layout.words, sync, error, timeout,
-            int(do_send), int(do_receive), *send, *receive)
+def arguments(stage: Stage, layout: RecordLayout, sync, error, timeout: int, send: dict,
+              receive: dict, *, do_send: bool = True, do_receive: bool = True) -> dict:
+    """Every argument of one launch of `dispatch_kernel` by name (its constexprs excepted)."""
+    return dict(stage.fields, record_words=layout.words, sync_ptr=sync, error_ptr=error,
+                timeout=timeout, do_send=int(do_send), do_receive=int(do_receive), **send,
+                **receive)
 
 
 def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, timeout: int,
-        send: tuple, receive: tuple, *, do_send: bool = True, do_receive: bool = True,
-        stream=None, variant: Optional[tuple] = None, typed: bool = True,
-        kernel: Optional[Launcher] = None) -> None:
+        send: dict, receive: dict, *, do_send: bool = True, do_receive: bool = True,
+        stream=None, variant: Optional[tuple] = None, kernel: Optional[Launcher] = None) -> None:
     """One launch of `dispatch_kernel` on `shape.programs` programs: the send part, then the
     receive part, or one of them (a part that does not run still needs its arguments, of the
     dtypes the warmed-up variant has: pass the same `send` again for a receive-only launch).
     sync: the int64 sync tensor; error: the int32 error flag; timeout: `sync.timeout_units`;
-    variant: `variant(...)` of the launch's tensors (None: the generic path); typed: whether
-    the phases were built typed; kernel: `launcher(shape, layout)`, if the caller keeps it."""
+    variant: `variant(...)` of the launch's tensors (None: the generic path); kernel:
+    `launcher(shape, layout)`, if the caller keeps it."""
     kernel = kernel or launcher(shape, layout)
-    kernel(variant, stream, *arguments(stage, layout, sync, error, timeout, send, receive,
-                                       do_send=do_send, do_receive=do_receive, typed=typed),
-           typed=typed)
+    kernel(variant, stream, arguments(stage, layout, sync, error, timeout, send, receive,
+                                      do_send=do_send, do_receive=do_receive))

@@ -2,30 +2,34 @@
 `Stage`, and a `Launcher` that skips Triton's per-call argument binding once a variant is
 compiled.
 
-Host time of one launch of a 40-argument kernel on the GPU machine
-(`scripts/gpu_host_costs.py`): Triton's generic `kernel[grid](...)`, which binds and
-specializes every argument, 44.7 us; `CompiledKernel[grid](...)` 19.5 us; the compiled
-kernel's `run` on a stream the caller names 14.3 us. A `Launcher` keeps the `CompiledKernel`
-of each variant it has launched and later calls its `run` directly.
+Arguments are named: a caller builds a mapping from each runtime parameter name of the kernel
+to its value (the phase builders of `kernels.dispatch` and `kernels.combine` return such
+mappings), and `Launcher.bind` orders it by the kernel's signature, raising on a missing or an
+unknown name. There is one way to build them: with tensors, or with `Address` stand-ins for
+tensors whose addresses change per call.
+
+Host time of one launch of a 40-argument kernel on the GPU machine: Triton's generic
+`kernel[grid](...)`, which binds and specializes every argument, 44.7 us;
+`CompiledKernel[grid](...)` 19.5 us; the compiled kernel's `run` on a stream the caller names
+14.3 us; with every pointer an int (no `data_ptr()` call and no driver query per pointer) less
+again. A `Launcher` keeps the `CompiledKernel` of each variant it has launched and later calls
+its `run` directly.
 
 The caller names the variant: everything Triton would specialize on must be in the key (the
 dtypes of tensors whose dtype varies; whether every pointer is 16-byte aligned: pass
 `variant=None` when one is not, which always takes the generic path). Integer arguments are
 all `do_not_specialize` in our kernels. Under the interpreter every launch is generic.
 
-A kept kernel's launcher only reads each pointer argument's address: when `Launcher.kept`
-says the variant is kept, a caller may pass bare addresses (ints: no `data_ptr()` call and no
-driver query per pointer) and tensors of any dtype (no dtype views); it then launches with
-`typed=False`. The generic path needs typed tensors. A caller that launches one shape of call
-many times keeps its untyped arguments in an `ArgTemplate` (the tensors' addresses left open
-as `Address` slots) and launches with `Launcher.launch_untyped(variant, stream,
-template.fill(addresses))`.
+A caller that launches one shape of call many times (a prepared call) builds its arguments
+once with `Address` stand-ins, keeps them as an `ArgTemplate` (`Launcher.template`), and per
+call launches `Launcher.launch_filled(variant, stream, template.fill(addresses))`: every
+pointer an int, one C-level pick instead of the builders' Python.
 """
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Hashable, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence
 
 import torch
 from triton import knobs
@@ -42,13 +46,14 @@ def _hook(hook):
 class Launcher:
     """Launches `fn` on a 1-D grid of `programs` with fixed compile-time `constants`
     (constexpr parameters, which must be `fn`'s last parameters, plus options like
-    `num_warps`)."""
+    `num_warps`). `params`: the names of `fn`'s runtime parameters, in order."""
 
     def __init__(self, fn, programs: int, constants: dict) -> None:
         self.fn = fn
         self.grid = (programs, 1, 1)
         self.constants = {name: value for name, value in constants.items()
                           if name in fn.arg_names or name.startswith("num_")}
+        self.params = tuple(name for name in fn.arg_names if name not in self.constants)
         # The compiled kernel takes every parameter, constexprs included, in order.
         self.tail = tuple(self.constants[name] for name in fn.arg_names
                           if name in self.constants)
@@ -57,9 +62,24 @@ class Launcher:
         self.generic_launches = 0
         self.fallback: Optional[str] = None  # why `fast` was turned off
 
+    def bind(self, fields: Mapping) -> tuple:
+        """The positional arguments of `fn` from `fields` (runtime parameter name -> value),
+        which must name every runtime parameter and nothing else.
+
+        Example: for `fn(a, b, C: tl.constexpr)` with constants {"C": 4},
+        `bind({"b": 2, "a": 1}) == (1, 2)`; `bind({"a": 1})` raises naming `b`."""
+        try:
+            args = tuple([fields[name] for name in self.params])
+        except KeyError as missing:
+            raise ValueError(f"{self.fn.__name__}: no argument for parameter {missing}") from None
+        if len(fields) != len(args):
+            unknown = sorted(set(fields) - set(self.params))
+            raise ValueError(f"{self.fn.__name__}: no parameter named {', '.join(unknown)}")
+        return args
+
     def kept(self, variant: Optional[Hashable]) -> bool:
-        """Whether a launch of `variant` takes the compiled kernel's fast path (then it may
-        take untyped arguments)."""
+        """Whether a launch of `variant` takes the compiled kernel's fast path (then a
+        template's filled arguments may be launched)."""
         return self._kept_kernel(variant) is not None
 
     def _kept_kernel(self, variant: Optional[Hashable]):
@@ -67,13 +87,10 @@ class Launcher:
         path."""
         return self.compiled.get(variant) if self.fast and variant is not None else None
 
-    def __call__(self, variant: Optional[Hashable], stream, *args, typed: bool = True) -> None:
-        """Launch on `stream` (a CUDA stream; None: the current stream, and always under the
-        interpreter). `typed=False`: `args` are untyped (see the module docstring), allowed
-        only when `kept(variant)`."""
-        if not typed:
-            self.launch_untyped(variant, stream, args + self.tail)
-            return
+    def __call__(self, variant: Optional[Hashable], stream, fields: Mapping) -> None:
+        """Launch with `fields` (see `bind`; tensors for pointers) on `stream` (a CUDA stream;
+        None: the current stream, and always under the interpreter)."""
+        args = self.bind(fields)
         kernel = self._kept_kernel(variant)
         if kernel is not None:
             try:
@@ -95,12 +112,16 @@ class Launcher:
             kernel._init_handles()
             self.compiled[variant] = kernel
 
-    def launch_untyped(self, variant: Optional[Hashable], stream, args: tuple) -> None:
-        """Launch the kept kernel of `variant` with untyped `args`, `tail` included (a caller
-        that keeps a launch's arguments, such as an `ArgTemplate`, keeps the tail with them)."""
+    def template(self, fields: Mapping, base: int) -> "ArgTemplate":
+        """The `ArgTemplate` of a launch whose `fields` hold `Address` stand-ins (see
+        `ArgTemplate`; offsets only from slot `base`), the constexprs appended."""
+        return ArgTemplate(self.bind(fields) + self.tail, base)
+
+    def launch_filled(self, variant: Optional[Hashable], stream, args: tuple) -> None:
+        """Launch the kept kernel of `variant` with `args` filled from a `template`."""
         kernel = self._kept_kernel(variant)
         if kernel is None:
-            raise RuntimeError(f"{self.fn.__name__}: untyped arguments for variant {variant!r}, "
+            raise RuntimeError(f"{self.fn.__name__}: filled arguments for variant {variant!r}, "
                                "which has no kept compiled kernel")
         self.run_kept(kernel, stream, args)
 
@@ -118,8 +139,8 @@ class Launcher:
         except (TypeError, OverflowError) as error:
             # Rejected before launching: a Triton whose compiled kernels take their arguments
             # differently, or an int that no longer fits the variant's i32 (the generic path
-            # picks the i64 one). Use the generic path from now on (untyped arguments cannot
-            # take it: this call fails, later ones are typed).
+            # picks the i64 one). Use the generic path from now on (filled arguments cannot
+            # take it: this call fails, later calls are not prepared).
             self.fast, self.fallback = False, repr(error)
             raise
 
@@ -142,18 +163,23 @@ class Address:
         """Itself, as a tensor's `data_ptr()` is its address."""
         return self
 
+    def view(self, dtype) -> "Address":
+        """Itself: a dtype view has the same address (the builders view rows as words)."""
+        return self
+
     def __repr__(self) -> str:
         return f"Address({self.slot}, +{self.offset})"
 
 
 class ArgTemplate:
-    """A kept kernel's untyped launch arguments with the per-call addresses left open, filled
-    per call by one C-level pick: for a 60-argument launch this costs what one Python call does,
-    where building the arguments through the phase builders costs microseconds of host time.
+    """A kept kernel's launch arguments with the per-call addresses left open, filled per call
+    by one C-level pick: for a 60-argument launch this costs what one Python call does, where
+    building the arguments through the phase builders costs microseconds of host time.
 
     `args` holds `Address`es where a call's addresses go; addresses with an offset must all be
-    in `base`'s slot (parts of one allocation). `fill(addresses)` gives `args` with each
-    `Address(slot, offset)` replaced by `addresses[slot] + offset`.
+    in `base`'s slot (parts of one allocation). Tensors among the other arguments (the
+    caller's own, which outlive the template) are kept as their addresses. `fill(addresses)`
+    gives `args` with each `Address(slot, offset)` replaced by `addresses[slot] + offset`.
 
     Example: ArgTemplate((7, Address(1), Address(0, offset=16), Address(0)), base=0)
     .fill((1000, 2000)) == (7, 2000, 1016, 1000).
@@ -167,7 +193,7 @@ class ArgTemplate:
         for arg in args:
             if not isinstance(arg, Address):
                 picks.append(("constant", len(constants)))
-                constants.append(arg)
+                constants.append(arg.data_ptr() if isinstance(arg, torch.Tensor) else arg)
             elif arg.offset == 0:
                 picks.append(("address", arg.slot))
             else:
@@ -258,18 +284,16 @@ def aligned(*tensors: Optional[torch.Tensor]) -> bool:
 class Stage:
     """One stage's heap memory as the kernels see it: `bases` (int64 [R], every heap's address
     in this process), this rank, the byte offsets of the stage's counters and staging region,
-    and S, records per source block."""
+    and S, records per source block. `fields`: the kernels' arguments for it, by name."""
 
     bases: torch.Tensor
     rank: int
     flags_offset: int
     region_offset: int
     stride_tokens: int
-    args: tuple = field(init=False, repr=False, compare=False)  # the kernels' first arguments
-    untyped_args: tuple = field(init=False, repr=False, compare=False)  # `bases` as an address
 
-    def __post_init__(self) -> None:
-        rest = (self.rank, self.bases.numel(), self.flags_offset, self.region_offset,
-                self.stride_tokens)
-        object.__setattr__(self, "args", (self.bases, *rest))
-        object.__setattr__(self, "untyped_args", (self.bases.data_ptr(), *rest))
+    @property
+    def fields(self) -> dict:
+        return dict(bases_ptr=self.bases, rank=self.rank, num_ranks=self.bases.numel(),
+                    flags_offset=self.flags_offset, region_offset=self.region_offset,
+                    stride_tokens=self.stride_tokens)

@@ -1,4 +1,5 @@
-"""A symmetric heap: one communication buffer per rank, mapped into every peer's address space.
+"""The symmetric heap: one communication buffer per rank, mapped into every peer's address space,
+and its layout (`heap_layout`).
 
 Each rank allocates `nbytes` of zeroed memory and maps every peer's; `SymmetricHeap.bases` is a
 device int64 tensor `[R]` of the peers' base addresses *as seen by this process*, which Triton
@@ -24,6 +25,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 from torch.multiprocessing.reductions import reduce_tensor
+
+from ...fp8 import num_scales
+from ...kernels.combine import CombineLayout
+from ...kernels.dispatch import RecordLayout
 
 _SHM_DIR = "/dev/shm"
 
@@ -115,3 +120,26 @@ class SymmetricHeap:
         self._peers = []
         self.local = None
         self.bases = None
+
+
+def payload_words(hidden: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """int32 words of a bf16 row, and of an FP8 row and its scales."""
+    return (hidden // 2,), (hidden // 4, num_scales(hidden))
+
+
+def heap_layout(num_ranks: int, stride_tokens: int, hidden: int,
+                num_topk: int) -> tuple[int, int, int, int]:
+    """Byte offsets of one rank's heap: (combine counters, dispatch staging, combine staging,
+    total bytes). The dispatch counters are at 0; records fit bf16 and FP8 rows alike.
+
+        [dispatch counters: ready[R] | free[R] | count[R]] [combine counters: the same] (int64)
+        [dispatch staging: R blocks x S records (`kernels.dispatch.RecordLayout`)]
+        [combine staging:  R blocks x S records (`kernels.combine.CombineLayout`)]
+    """
+    R, S = num_ranks, stride_tokens
+    record_words = max(RecordLayout(num_topk, words).words for words in payload_words(hidden))
+    flags = 3 * R * 8
+    dispatch_region = (2 * flags + 255) // 256 * 256
+    combine_region = dispatch_region + R * S * record_words * 4
+    total = combine_region + R * S * CombineLayout(hidden, num_topk).words * 4
+    return flags, dispatch_region, combine_region, total

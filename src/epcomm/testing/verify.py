@@ -1,7 +1,7 @@
 """Check a `Buffer` against the independent reference, bitwise (shared by tests and benchmarks).
 
 `check_round_trip(buffer, case)` dispatches and combines one `Case` through the buffer and
-through `epcomm.reference`, and raises `AssertionError` naming the first field that differs.
+through `epcomm.testing.reference`, and raises `AssertionError` naming the first field that differs.
 Every comparison is `torch.equal` on the raw bits. The reference runs on CPU copies when the
 group is gloo (gloo moves only CPU tensors), else on the tensors' own device.
 """
@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .buffer import Buffer
-from .fp8 import per_token_cast_to_fp8
-from .layout import align_up, expand_capacity
+from ..buffer import Buffer
+from ..fp8 import per_token_cast_to_fp8
+from ..layout import align_up, expand_capacity
 from .reference import ReferenceDispatch, reference_combine, reference_dispatch
 
 ROUTINGS = ("balanced", "masked", "skewed", "same_rank")

@@ -1,0 +1,33 @@
+"""The fast intranode backend: fused Triton kernels store straight into peers' memory.
+
+Every rank owns one symmetric heap (`heap`), mapped by all ranks: counters, then a dispatch and
+a combine staging region of R blocks x S records (S = the buffer's `num_max_tokens_per_rank`).
+Block s of a staging region is written only by rank s, so no two ranks ever write the same
+bytes. Counters only grow (each of the P programs of a kernel adds 1 per call), so nothing is
+ever reset and CUDA graphs can replay calls.
+
+One call is one launch (the kernels' docstrings have the steps), two for a synchronizing
+dispatch:
+- dispatch: `dispatch_kernel`, its send part (route, wait for the peers to free the previous
+  call's records, push, raise ready) then its receive part (wait for ready, copy out into the
+  layout, free); a synchronizing dispatch stops the first launch after counting, sizes its
+  outputs on the host and runs the receive part in a second launch.
+- combine: one launch, `combine_kernel` (return rows, reduced per token in the expand layout,
+  then reduce what came back).
+
+Modules: `heap` (the heap and its layout), `blocks` (a dispatch's handle tensors in one
+allocation), `plans` (prepared calls: a sync-free dispatch or a combine of one call shape,
+launched from an argument template), `warmup` (every kernel variant compiled and loaded when
+the backend is made), `backend` (`SymmetricBackend`).
+
+A wait that runs past the buffer's timeout sets the stage's timeout bit of `errors` in the device
+error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the rank and stage,
+a sync-free one leaves it for `Buffer.check_errors()`. After a timeout the ranks' counters
+disagree: the buffer cannot be used again.
+
+Results are bitwise those of the collective backend (docs/semantics.md).
+"""
+from .backend import SymmetricBackend, symmetric_supported
+from .heap import heap_layout
+
+__all__ = ["SymmetricBackend", "symmetric_supported", "heap_layout"]
