@@ -59,12 +59,13 @@ def test_cli_help_and_import_has_no_side_effects():
 
 
 def test_bench_symmetric_backend_smoke(tmp_path):
-    """The symmetric backend through the bench (on CPU: the Triton interpreter, so one case)."""
+    """The symmetric backend through the bench (on CPU: the Triton interpreter, so one case, 8
+    tokens per rank)."""
     pytest.importorskip("triton")
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "epcomm", "bench", "--ranks", "2", "--configs", "small",
            "--backend", "symmetric", "--layouts", "expand", "--dtypes", "fp8", "--no-sync-free",
-           "--iters", "1", "--warmup", "0", "--json", str(out), "--timeout", "60",
+           "--tokens", "8", "--iters", "1", "--warmup", "0", "--json", str(out), "--timeout", "60",
            "--deadline", "120", "--no-progress"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -72,6 +73,7 @@ def test_bench_symmetric_backend_smoke(tmp_path):
     assert report["backend_used"] == ["symmetric"]
     [row] = report["rows"]
     assert row["check"] == "ok", row
+    assert row["tokens_per_rank"] == 8 and sum(row["recv_rows_per_rank"]) > 0, row
     assert row["dispatch"]["us"] > 0 and row["combine"]["us"] > 0
 
 

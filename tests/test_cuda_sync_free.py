@@ -15,7 +15,8 @@ import torch.distributed as dist
 from epcomm import Buffer
 from epcomm.testing.launch import run_local_ranks
 from epcomm.testing.reference import reference_combine, reference_dispatch
-from epcomm.testing.verify import Case, assert_equal, check_round_trip, make_inputs, make_routing
+from epcomm.testing.verify import (Case, assert_equal, assert_filled, check_round_trip, make_inputs,
+                                   make_routing)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="CUDA tests need a GPU (none on this machine)")
@@ -200,8 +201,8 @@ def run_early_drop(backend: str, seed: int) -> int:
         torch.cuda.synchronize()
         for name, got, want in (("recv_x", recv_x, want_x), ("recv_topk_idx", recv_idx, want_idx),
                                 ("recv_topk_weights", recv_w, want_w)):
-            if want is not None or got is not None:  # (no recv_topk_idx in the expand layout)
-                assert_equal(f"{name} after its inputs were dropped", got, want)
+            # (no recv_topk_idx in the expand layout: both None)
+            assert_equal(f"{name} after its inputs were dropped", got, want)
 
         combine_inputs = [recv_x.clone(), recv_w.clone()]
         busy_comm_stream()
@@ -218,9 +219,10 @@ def run_early_drop(backend: str, seed: int) -> int:
         del dropped
         refills = [torch.full(shape, 7, dtype=dtype, device=x.device) for shape, dtype in like]
         torch.cuda.synchronize()
-        for refill in refills:
-            assert bool((refill == 7).all()), "the comm stream wrote a dropped output's block " \
-                "after the current stream had refilled it"
+        for index, refill in enumerate(refills):
+            # the comm stream must not write a dropped output's block after the current stream
+            # refilled it
+            assert_filled(f"refill {index} of a dropped output's block", refill, 7)
         checked += 1
     return checked
 

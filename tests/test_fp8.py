@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
+from epcomm.testing.verify import assert_equal, assert_filled
 
 FP8 = torch.float8_e4m3fn
 
@@ -40,10 +41,10 @@ def test_round_trip_error_bound(hidden):
     assert bool(((y - xf).abs() <= bound).all())
     # scales are exactly amax / 448 per block, and each block's amax maps to +-448
     amax = torch.stack([xf[:, b:b + 128].abs().amax(dim=1) for b in range(0, hidden, 128)], 1)
-    assert torch.equal(s, amax.clamp(min=1e-4) / 448.0)
+    assert_equal("scales", s, amax.clamp(min=1e-4) / 448.0, check_dtype=True)
     qf = q.float().abs()
     for i, b in enumerate(range(0, hidden, 128)):
-        assert bool((qf[:, b:b + 128].amax(dim=1) == 448.0).all()), f"block {i}"
+        assert_filled(f"block {i} amax", qf[:, b:b + 128].amax(dim=1), 448.0)
     assert not bool(q.float().isnan().any())
 
 
@@ -53,21 +54,21 @@ def test_cast_formula_exact():
     pad = torch.nn.functional.pad(x, (0, 384 - 260)).view(3, 3, 128)
     scale = pad.abs().amax(dim=2).clamp(min=1e-4) / 448.0
     want = (pad / scale[..., None]).to(FP8).view(3, 384)[:, :260]
-    assert torch.equal(s, scale)
-    assert torch.equal(q.view(torch.uint8), want.view(torch.uint8))
+    assert_equal("scales", s, scale, check_dtype=True)
+    assert_equal("fp8 values", q, want, check_dtype=True)
     back = (q.float().view(3, 260) * scale.repeat_interleave(128, dim=1)[:, :260]).to(torch.bfloat16)
-    assert torch.equal(per_token_cast_back(q, s), back)
+    assert_equal("cast back", per_token_cast_back(q, s), back, check_dtype=True)
 
 
 def test_zero_rows_and_zero_tokens():
     x = torch.zeros(4, 300, dtype=torch.bfloat16)
     x[1, :5] = 3.0
     q, s = per_token_cast_to_fp8(x)
-    assert torch.equal(s[0], torch.full((3,), 1e-4 / 448.0))  # clamped amax
-    assert torch.equal(s[1, 1:], torch.full((2,), 1e-4 / 448.0))
+    assert_filled("scales of a zero row (clamped amax)", s[0], 1e-4 / 448.0)
+    assert_filled("scales of zero blocks", s[1, 1:], 1e-4 / 448.0)
     assert not bool(q.float().isnan().any())
     y = per_token_cast_back(q, s)
-    assert torch.equal(y, x)
+    assert_equal("cast back of zero rows", y, x, check_dtype=True)
     q0, s0 = per_token_cast_to_fp8(torch.zeros(0, 300, dtype=torch.bfloat16))
     assert q0.shape == (0, 300) and s0.shape == (0, 3)
     assert per_token_cast_back(q0, s0).shape == (0, 300)

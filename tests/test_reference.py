@@ -3,45 +3,26 @@
 The expected tensors of the 2-rank example are worked out by hand from docs/semantics.md.
 """
 
-import socket
-from datetime import timedelta
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from epcomm.testing.launch import run_local_ranks
 from epcomm.testing.reference import ReferenceDispatch, reference_combine, reference_dispatch
+from epcomm.testing.verify import assert_equal
 
 bf16, f32, i64 = torch.bfloat16, torch.float32, torch.int64
 BIG = 2.0 ** 30  # exact in bf16; BIG + 1 == BIG in fp32, so it reveals the summation order
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, fn):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=60))
-    try:
-        fn(rank, world_size, dist.group.WORLD)
-    finally:
-        dist.destroy_process_group()
+def _call(fn) -> bool:
+    fn(dist.get_rank(), dist.get_world_size(), dist.group.WORLD)
+    return True
 
 
 def _spawn(fn, world_size):
-    mp.spawn(_worker, args=(world_size, _free_port(), fn), nprocs=world_size, join=True)
-
-
-def _eq(got, want, what):
-    assert got is not None, f"{what}: got None"
-    assert got.dtype == want.dtype, f"{what}: dtype {got.dtype} != {want.dtype}"
-    assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    assert torch.equal(got, want), f"{what}:\n got {got}\nwant {want}"
+    """`fn(rank, world_size, group)` on `world_size` local gloo ranks (`run_local_ranks`)."""
+    assert run_local_ranks(_call, world_size, fn, timeout_s=60.0) == [True] * world_size
 
 
 def _t(values, dtype, width=None):
@@ -134,24 +115,27 @@ def _hand_example(rank, world_size, group):
 
     d = reference_dispatch(x, idx, w, do_expand=False, **kw)
     assert isinstance(d, ReferenceDispatch)
-    _eq(d.recv_x, _t(exp["recv_x"], bf16), "recv_x")
-    _eq(d.recv_topk_idx, _t(exp["recv_topk_idx"], i64), "recv_topk_idx")
-    _eq(d.recv_topk_weights, _t(exp["recv_topk_weights"], f32), "recv_topk_weights")
+    assert_equal("recv_x", d.recv_x, _t(exp["recv_x"], bf16), check_dtype=True)
+    assert_equal("recv_topk_idx", d.recv_topk_idx, _t(exp["recv_topk_idx"], i64), check_dtype=True)
+    assert_equal("recv_topk_weights",
+                 d.recv_topk_weights, _t(exp["recv_topk_weights"], f32), check_dtype=True)
     for name in ("num_recv_tokens_per_rank", "num_recv_tokens_per_expert", "src_token",
                  "last_slot", "expand_rows", "expert_starts"):
-        _eq(getattr(d, name), _t(exp[name], i64), name)
-    _eq(d.expand_valid, _t(exp["expand_valid"], torch.bool), "expand_valid")
+        assert_equal(name, getattr(d, name), _t(exp[name], i64), check_dtype=True)
+    assert_equal("expand_valid",
+                 d.expand_valid, _t(exp["expand_valid"], torch.bool), check_dtype=True)
 
     de = reference_dispatch(x, idx, w, do_expand=True, **kw)
-    _eq(de.recv_x, _t(exp["expand_x"], bf16), "expand recv_x")
-    assert de.recv_topk_idx is None
-    _eq(de.recv_topk_weights, _t(exp["expand_w"], f32), "expand recv_topk_weights")
+    assert_equal("expand recv_x", de.recv_x, _t(exp["expand_x"], bf16), check_dtype=True)
+    assert_equal("expand recv_topk_idx", de.recv_topk_idx, None)
+    assert_equal("expand recv_topk_weights",
+                 de.recv_topk_weights, _t(exp["expand_w"], f32), check_dtype=True)
     for name in ("num_recv_tokens_per_rank", "num_recv_tokens_per_expert", "src_token",
                  "last_slot", "expand_rows", "expert_starts", "expand_valid"):
-        _eq(getattr(de, name), getattr(d, name), f"expand {name}")
+        assert_equal(f"expand {name}", getattr(de, name), getattr(d, name), check_dtype=True)
 
     dn = reference_dispatch(x, idx, None, do_expand=False, **kw)
-    assert dn.recv_topk_weights is None
+    assert_equal("recv_topk_weights without weights", dn.recv_topk_weights, None)
 
     cin = COMBINE_IN[rank]
     bias_a, bias_b = _t(BIAS_A[:tokens], bf16, 2), _t(BIAS_B[:tokens], bf16, 2)
@@ -160,17 +144,22 @@ def _hand_example(rank, world_size, group):
 
     cx, cw = reference_combine(_t(cin["xc"], bf16), d, topk_weights=_t(cin["wc"], f32),
                                bias=(bias_a, bias_b), **ckw)
-    _eq(cx, _t(COMPACT_X, bf16) if rank == 0 else empty_x, "compact combined_x")
-    _eq(cw, _t(COMPACT_W, f32) if rank == 0 else empty_w, "compact combined_topk_weights")
+    assert_equal("compact combined_x",
+                 cx, _t(COMPACT_X, bf16) if rank == 0 else empty_x, check_dtype=True)
+    assert_equal("compact combined_topk_weights",
+                 cw, _t(COMPACT_W, f32) if rank == 0 else empty_w, check_dtype=True)
 
     cx, cw = reference_combine(_t(cin["xc"], bf16), d, **ckw)
-    _eq(cx, _t(COMPACT_X_NOBIAS, bf16) if rank == 0 else empty_x, "compact combined_x, no bias")
-    assert cw is None
+    assert_equal("compact combined_x, no bias",
+                 cx, _t(COMPACT_X_NOBIAS, bf16) if rank == 0 else empty_x, check_dtype=True)
+    assert_equal("compact combined_topk_weights without weights", cw, None)
 
     cx, cw = reference_combine(_t(cin["xe"], bf16), de, topk_weights=_t(cin["we"], f32),
                                bias=bias_a, **ckw)
-    _eq(cx, _t(EXPAND_X, bf16) if rank == 0 else empty_x, "expand combined_x")
-    _eq(cw, _t(EXPAND_W, f32) if rank == 0 else empty_w, "expand combined_topk_weights")
+    assert_equal("expand combined_x",
+                 cx, _t(EXPAND_X, bf16) if rank == 0 else empty_x, check_dtype=True)
+    assert_equal("expand combined_topk_weights",
+                 cw, _t(EXPAND_W, f32) if rank == 0 else empty_w, check_dtype=True)
 
 
 def test_hand_example_two_ranks():
@@ -194,23 +183,29 @@ def _one_rank(rank, world_size, group):
     kw = dict(num_experts=E, num_max_tokens_per_rank=M, group=group)
 
     d = reference_dispatch(x, idx.to(torch.int32), w, expert_alignment=1, **kw)
-    _eq(d.recv_x, x[sent], "recv_x")
-    _eq(d.recv_topk_idx, idx[sent], "recv_topk_idx")
-    _eq(d.src_token, torch.nonzero(sent).flatten(), "src_token")
-    _eq(d.num_recv_tokens_per_expert, torch.bincount(idx[valid], minlength=E), "per expert")
+    assert_equal("recv_x", d.recv_x, x[sent], check_dtype=True)
+    assert_equal("recv_topk_idx", d.recv_topk_idx, idx[sent], check_dtype=True)
+    assert_equal("src_token", d.src_token, torch.nonzero(sent).flatten(), check_dtype=True)
+    assert_equal("per expert",
+                 d.num_recv_tokens_per_expert, torch.bincount(idx[valid], minlength=E),
+                 check_dtype=True)
     cx, cw = reference_combine(d.recv_x, d, idx, E, group, topk_weights=d.recv_topk_weights)
-    _eq(cx, torch.where(sent[:, None], x, 0), "compact combine")
-    _eq(cw, torch.where(valid, w, 0.0), "compact combined weights")
+    assert_equal("compact combine", cx, torch.where(sent[:, None], x, 0), check_dtype=True)
+    assert_equal("compact combined weights", cw, torch.where(valid, w, 0.0), check_dtype=True)
     cx, _ = reference_combine(d.recv_x, d, idx, E, group, bias=(bias,))
-    _eq(cx, (x.float() * sent[:, None] + bias.float()).to(bf16), "compact combine + bias")
+    assert_equal("compact combine + bias",
+                 cx, (x.float() * sent[:, None] + bias.float()).to(bf16), check_dtype=True)
 
     de = reference_dispatch(x, idx, w, expert_alignment=4, do_expand=True, **kw)
-    _eq(de.expert_starts % 4, torch.zeros(E, dtype=i64), "aligned starts")
-    assert de.recv_x.shape[0] % 4 == 0
-    assert int(de.expand_valid.sum()) == int(n_slots.sum())
+    assert_equal("aligned starts",
+                 de.expert_starts % 4, torch.zeros(E, dtype=i64), check_dtype=True)
+    assert_equal("expand rows % 4", de.recv_x.shape[0] % 4, 0)
+    assert_equal("expand valid rows", int(de.expand_valid.sum()), int(n_slots.sum()))
     cx, cw = reference_combine(de.recv_x, de, idx, E, group, topk_weights=de.recv_topk_weights)
-    _eq(cx, (x.float() * n_slots[:, None]).to(bf16), "expand combine sums each slot once")
-    _eq(cw, torch.where(valid, w, 0.0), "expand combined weights")
+    # (0.0 + ...: the sum starts at +0.0, so a token sent nowhere gets +0, never -0)
+    assert_equal("expand combine sums each slot once",
+                 cx, (0.0 + x.float() * n_slots[:, None]).to(bf16), check_dtype=True)
+    assert_equal("expand combined weights", cw, torch.where(valid, w, 0.0), check_dtype=True)
 
     # Bad input raises before any communication.
     with pytest.raises(ValueError, match="topk_idx"):
@@ -262,8 +257,8 @@ def _fp8_bytes(rank, world_size, group):
     d = reference_dispatch((x, s), idx, None, **kw)
     rx, rs = d.recv_x
     assert rx.dtype == torch.float8_e4m3fn and rs.dtype == f32
-    _eq(rx.view(u8), stack(want_x, FP8_H), "fp8 rows")
-    _eq(rs.view(u8), stack(want_s, 8), "scale rows")
+    assert_equal("fp8 rows", rx.view(u8), stack(want_x, FP8_H), check_dtype=True)
+    assert_equal("scale rows", rs.view(u8), stack(want_s, 8), check_dtype=True)
 
     de = reference_dispatch((x, s), idx, None, expert_alignment=4, do_expand=True, **kw)
     ex, es = de.recv_x
@@ -276,8 +271,8 @@ def _fp8_bytes(rank, world_size, group):
         for k, (px, ps) in enumerate(mine):
             want_ex[start + k] = px.view(u8)
             want_es[start + k] = ps.view(u8)
-    _eq(ex.view(u8), want_ex, "expand fp8 rows")
-    _eq(es.view(u8), want_es, "expand scale rows")
+    assert_equal("expand fp8 rows", ex.view(u8), want_ex, check_dtype=True)
+    assert_equal("expand scale rows", es.view(u8), want_es, check_dtype=True)
 
 
 def test_fp8_tuple_travels_as_bytes():

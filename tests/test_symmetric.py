@@ -1,9 +1,10 @@
 """The symmetric backend against the collective backend, bitwise, on local gloo ranks.
 
 Each rank builds both backends over the same group and feeds them the same data; every output
-and handle field must be `torch.equal` (rows the contract leaves unspecified are skipped: the
-sync-free compact tail and the expand alignment gaps without `do_zero_padding`). On the CPU the
-kernels run under the Triton interpreter (`epcomm.kernels` selects it when CUDA is missing).
+and handle field must be bitwise equal (`epcomm.testing.verify.assert_same_dispatch`; rows the
+contract leaves unspecified are skipped: the sync-free compact tail and the expand alignment
+gaps without `do_zero_padding`). On the CPU the kernels run under the Triton interpreter
+(`epcomm.kernels` selects it when CUDA is missing).
 """
 import itertools
 
@@ -13,6 +14,7 @@ import torch.distributed as dist
 
 from epcomm import errors
 from epcomm.testing.launch import run_local_ranks
+from epcomm.testing.verify import assert_equal, assert_same_dispatch
 
 pytest.importorskip("triton")
 
@@ -38,38 +40,6 @@ def _rows(x):
     return list(x) if isinstance(x, tuple) else [x]
 
 
-def _eq(got, want, what):
-    if want is None:
-        assert got is None, f"{what}: expected None"
-        return
-    assert got.dtype == want.dtype and got.shape == want.shape, \
-        f"{what}: {got.dtype} {tuple(got.shape)} != {want.dtype} {tuple(want.shape)}"
-    assert torch.equal(got, want), f"{what}:\n got {got}\nwant {want}"
-
-
-def _compare_dispatch(got, want, zero_padding, what):
-    (gx, gi, gw, gh, _), (wx, wi, ww, wh, _) = got, want
-    _eq(gh.recv_src_metadata, wh.recv_src_metadata, f"{what} recv_src_metadata")
-    for field in ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
-                  "num_unaligned_recv_tokens_per_expert"):
-        _eq(getattr(gh, field), getattr(wh, field), f"{what} {field}")
-    for field in ("num_recv_tokens_per_expert_list", "num_recv_tokens", "num_expanded_tokens",
-                  "do_expand", "do_cpu_sync"):
-        assert getattr(gh, field) == getattr(wh, field), f"{what} {field}"
-    _eq(gi, wi, f"{what} recv_topk_idx")
-    _eq(gw, ww, f"{what} recv_topk_weights")
-    if zero_padding:
-        keep = slice(None)
-    elif wh.do_expand:  # rows that hold a (row, slot) pair
-        keep = torch.zeros(wh.num_expanded_tokens, dtype=torch.bool)
-        rows = wh.recv_src_metadata[:, 2:].flatten().long()
-        keep[rows[rows >= 0]] = True
-    else:
-        keep = slice(0, int(wh.psum_num_recv_tokens_per_scaleup_rank[-1]))
-    for index, (g, w) in enumerate(zip(_rows(gx), _rows(wx))):
-        _eq(g[keep], w[keep], f"{what} recv_x[{index}]")
-
-
 def _roundtrip(buffers, x, idx, weights, num_experts, opts, biases, what):
     """Dispatch + combine through every buffer; compare each with the first (collective)."""
     results = []
@@ -80,9 +50,9 @@ def _roundtrip(buffers, x, idx, weights, num_experts, opts, biases, what):
         combined = buffer.combine(y, handle, topk_weights=recv_w, bias=biases)
         results.append((out, combined))
     (want, want_c), (got, got_c) = results
-    _compare_dispatch(got, want, opts.get("do_zero_padding", False), what)
-    _eq(got_c[0], want_c[0], f"{what} combined_x")
-    _eq(got_c[1], want_c[1], f"{what} combined_topk_weights")
+    assert_same_dispatch(what, got, want, opts.get("do_zero_padding", False))
+    assert_equal(f"{what} combined_x", got_c[0], want_c[0], check_dtype=True)
+    assert_equal(f"{what} combined_topk_weights", got_c[1], want_c[1], check_dtype=True)
     return got, want
 
 
@@ -93,7 +63,10 @@ def _buffer_pair(hidden=H):
             for name in ("collective", "symmetric")]
 
 
-def _matrix(num_ranks):
+def _matrix(num_ranks, quick=False):
+    """Every layout x sync mode x alignment x dtype x weights (32 cases), or with `quick` the
+    half whose weights alternate with the other four (16 cases: every layout x sync mode x
+    alignment x dtype once)."""
     from epcomm.buffer import Buffer
     rank = dist.get_rank()
     num_experts = 4 * num_ranks
@@ -102,10 +75,13 @@ def _matrix(num_ranks):
     assert buffers[1].backend == "symmetric" and buffers[1].num_sms == 1
     assert buffers[1]._backend.heap_bytes == Buffer.get_buffer_size_hint(num_ranks, M, H, K)
     uneven = [M, 0, 5][rank % 3]  # uneven T, one rank with none
-    seed = 0
+    seed = count = 0
     for expand, sync, align, fp8, with_w in itertools.product(
             (False, True), (True, False), (1, 4), (False, True), (True, False)):
         seed += 1
+        if quick and with_w != ((expand + sync + (align == 4) + fp8) % 2 == 0):
+            continue
+        count += 1
         skew = seed % 3 == 0
         x, idx, weights = _data(rank, uneven, num_experts, fp8, skew, seed)
         biases = [None, torch.randn(uneven, H).bfloat16(),
@@ -114,12 +90,16 @@ def _matrix(num_ranks):
                     do_zero_padding=seed % 2 == 0)
         _roundtrip(buffers, x, idx, weights if with_w else None, num_experts, opts, biases,
                    f"rank {rank} case {seed} {opts} fp8={fp8} w={with_w} skew={skew}")
-    return seed
+    return count
 
 
 @pytest.mark.parametrize("num_ranks", [2, 3])
 def test_matches_collective(num_ranks):
-    assert run_local_ranks(_matrix, num_ranks, num_ranks) == [32] * num_ranks
+    """The whole matrix on 2 ranks; its quick half on 3 (the interpreter is slow, and 3 ranks on
+    a 2-core machine slower still): every layout, sync mode, alignment and dtype on both."""
+    quick = num_ranks == 3
+    counts = run_local_ranks(_matrix, num_ranks, num_ranks, quick)
+    assert counts == [16 if quick else 32] * num_ranks
 
 
 def _odd_hidden(num_ranks):
@@ -205,17 +185,17 @@ def _interleaved(num_ranks):
         # Cached dispatch: new data, same routing, no count exchange.
         x2 = _data(rank, idx.shape[0], num_experts, step % 2 == 1, False, 90 + step)[0]
         outs = [b.dispatch(x2, handle=out[3]) for b, out in zip(buffers, (want, got))]
-        _compare_dispatch(outs[1], outs[0], False, f"cached step {step}")
+        assert_same_dispatch(f"cached step {step}", outs[1], outs[0])
         assert outs[1][3] is got[3]
     for step, (got, copies, want) in enumerate(kept):
-        for now, then in zip(_rows(got[0]), copies):
-            assert torch.equal(now.view(torch.uint8), then.view(torch.uint8)), \
-                f"step {step}: output changed by a later call"
+        for index, (now, then) in enumerate(zip(_rows(got[0]), copies)):
+            assert_equal(f"step {step}: recv_x[{index}] after later calls (must not change)",
+                         now, then, check_dtype=True)
     # A combine of an older handle after newer dispatches.
     (got, _, want) = kept[1]
     results = [b.combine(_rows(out[0])[0].bfloat16(), out[3])[0] for b, out in
                zip(buffers, (want, got))]
-    _eq(results[1], results[0], "late combine")
+    assert_equal("late combine", results[1], results[0], check_dtype=True)
     return True
 
 
@@ -224,28 +204,36 @@ def test_interleaved_calls_and_cached_dispatch(num_ranks):
     assert all(run_local_ranks(_interleaved, num_ranks, num_ranks))
 
 
-def _timeout(sync):
+def _timeout(modes):
+    """Per `do_cpu_sync` mode in `modes`, a buffer of its own (made on both ranks) through which
+    rank 0 dispatches and rank 1 never does: rank 0's timeout message for each mode."""
     from epcomm.buffer import Buffer
     rank = dist.get_rank()
-    buffer = Buffer(dist.group.WORLD, M, H, K, backend="symmetric", timeout_s=0.2)
-    raised = None
-    if rank == 0:  # rank 1 never dispatches
-        x, idx, _ = _data(rank, 4, 4, False, False, 7)
-        try:
-            buffer.dispatch(x, idx, num_experts=4, do_cpu_sync=sync)
-            buffer.check_errors()
-        except errors.EPTimeoutError as exc:
-            raised = str(exc)
+    # (0.05 s: about 1000 spins of the interpreter's wait loop, ~0.5 s here)
+    buffers = [Buffer(dist.group.WORLD, M, H, K, backend="symmetric", timeout_s=0.05)
+               for _ in modes]
+    messages = []
+    for sync, buffer in zip(modes, buffers):
+        raised = None
+        if rank == 0:  # rank 1 never dispatches
+            x, idx, _ = _data(rank, 4, 4, False, False, 7)
+            try:
+                buffer.dispatch(x, idx, num_experts=4, do_cpu_sync=sync)
+                buffer.check_errors()
+            except errors.EPTimeoutError as exc:
+                raised = str(exc)
+        messages.append(raised)
     dist.barrier()
-    return raised
+    return messages
 
 
-@pytest.mark.parametrize("sync", [True, False])
-def test_timeout_raises_instead_of_hanging(sync):
-    message = run_local_ranks(_timeout, 2, sync)[0]
-    assert message is not None and "rank 0" in message
-    if sync:
-        assert "dispatch" in message
+def test_timeout_raises_instead_of_hanging():
+    """A synchronizing and a sync-free dispatch (one process group for both)."""
+    modes = [True, False]
+    for sync, message in zip(modes, run_local_ranks(_timeout, 2, modes)[0]):
+        assert message is not None and "rank 0" in message, (sync, message)
+        if sync:
+            assert "dispatch" in message, message
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (sync-debug mode and "

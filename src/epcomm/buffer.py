@@ -156,10 +156,6 @@ class Buffer:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
 
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            raise RuntimeError("this Buffer was destroyed")
-
     def _direct(self, inputs, host_reads: bool) -> bool:
         """Whether a call may run on the current stream as far as the backend and the inputs
         go (`StreamPolicy.run`): the backend queues on named streams, the call reads nothing

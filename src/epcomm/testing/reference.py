@@ -7,7 +7,7 @@ carry float8 / bf16 / any dtype, and nothing is ever converted on the way). Loop
 ranks, experts and top-k slots only.
 
 It implements ``docs/semantics.md`` literally and shares no code with the rest of epcomm,
-so the real backends can be compared with it using ``torch.equal``.
+so the real backends can be compared with it bitwise (``epcomm.testing.verify.assert_equal``).
 
 Terms: ``R`` ranks in ``group``; ``E`` experts, ``E_l = E // R`` per rank (expert ``e`` lives
 on rank ``e // E_l`` as local expert ``e % E_l``); ``T`` tokens on this rank (``T <= M``);

@@ -2,8 +2,14 @@
 
 `check_round_trip(buffer, case)` dispatches and combines one `Case` through the buffer and
 through `epcomm.testing.reference`, and raises `AssertionError` naming the first field that differs.
-Every comparison is `torch.equal` on the raw bits. The reference runs on CPU copies when the
-group is gloo (gloo moves only CPU tensors), else on the tensors' own device.
+The reference runs on CPU copies when the group is gloo (gloo moves only CPU tensors), else on
+the tensors' own device.
+
+`assert_equal(name, got, want)` is the one comparison, here and in the tests: bitwise
+(`bitwise_equal`: `torch.equal` on the raw bits, so NaN payloads and signed zeros count), naming
+the field and showing got and want on failure. `assert_filled` (a tensor holds one value),
+`assert_fields_equal` (dicts of fields, e.g. `handle_fields`) and `assert_same_dispatch` (two
+dispatch results, e.g. two backends) are built on it.
 """
 from __future__ import annotations
 
@@ -80,22 +86,132 @@ class Case:
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The raw bits of a tensor, for a `torch.equal` that is exact for every dtype."""
-    return tensor.contiguous().view(torch.uint8).cpu() if tensor.element_size() == 1 else \
-        tensor.contiguous().view({2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]).cpu()
+    """The raw bits of a tensor (on the CPU), for a `torch.equal` that is exact for every dtype:
+    NaN payloads and the sign of zero count, and a NaN equals the same NaN."""
+    size = tensor.element_size()
+    return tensor.detach().contiguous().view(
+        {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).cpu()
 
 
-def assert_equal(name: str, got: torch.Tensor, want: torch.Tensor, *,
-                 check_dtype: bool = False) -> None:
-    """Bitwise equality (after casting `want` to `got`'s dtype unless `check_dtype`, which
-    requires the dtypes to match first)."""
+def bitwise_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Whether `got` and `want` have the same shape, the same element size and the same bits
+    (no dtype cast: compare bf16 with bf16). The one tensor comparison of `assert_equal`; use it
+    directly only where a difference is an outcome to count, not a failure (a negative control).
+
+    Example: bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0])) is False, and
+    bitwise_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")])) is True."""
+    return got.shape == want.shape and got.element_size() == want.element_size() and \
+        torch.equal(_bits(got), _bits(want))
+
+
+def _shown(tensor: torch.Tensor) -> str:
+    return str(tensor.detach().cpu().tolist() if tensor.dtype != torch.float8_e4m3fn
+               else tensor.detach().cpu().float().tolist())
+
+
+def assert_equal(name: str, got, want, *, check_dtype: bool = False) -> None:
+    """Assert `got` equals `want` bitwise, naming the field `name` and showing got and want on
+    failure (the differing elements; whole tensors when small).
+
+    Tensors: same shape and the same bits after casting `want` to `got`'s dtype, or, with
+    `check_dtype`, the same dtype first and no cast. `want=None`: `got` must be None. Tuples and
+    lists of tensors (FP8 rows and scales): the same length and each part equal (`name[i]`).
+    Anything else (counts, lists of ints, flags): `==`."""
+    if want is None or got is None:
+        assert got is None and want is None, f"{name}: got {_brief(got)}, want {_brief(want)}"
+        return
+    if isinstance(want, (tuple, list)) and any(isinstance(w, torch.Tensor) for w in want):
+        assert isinstance(got, (tuple, list)) and len(got) == len(want), \
+            f"{name}: got {_brief(got)}, want {len(want)} parts"
+        for index, (g, w) in enumerate(zip(got, want)):
+            assert_equal(f"{name}[{index}]", g, w, check_dtype=check_dtype)
+        return
+    if not isinstance(want, torch.Tensor):
+        assert not isinstance(got, torch.Tensor) and got == want, f"{name}: got {got!r}, want {want!r}"
+        return
+    assert isinstance(got, torch.Tensor), f"{name}: got {_brief(got)}, want a tensor"
     if check_dtype:
         assert got.dtype == want.dtype, f"{name}: dtype {got.dtype} != {want.dtype}"
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
-    if not torch.equal(_bits(got), _bits(want.to(got.dtype))):
-        diff = (_bits(got) != _bits(want.to(got.dtype)))
-        where = diff.nonzero()[:5].tolist()
-        raise AssertionError(f"{name}: {int(diff.sum())} elements differ, first at {where}")
+    cast = want.to(got.dtype)
+    if bitwise_equal(got, cast):
+        return
+    diff = _bits(got) != _bits(cast)
+    where = diff.nonzero()[:5]
+    at = [tuple(i) for i in where.tolist()]
+    got_at = [_shown(got.detach().cpu()[tuple(i)]) for i in where.tolist()]
+    want_at = [_shown(cast.detach().cpu()[tuple(i)]) for i in where.tolist()]
+    message = (f"{name}: {int(diff.sum())} of {diff.numel()} elements differ; first at {at}: "
+               f"got {', '.join(got_at)}, want {', '.join(want_at)}")
+    if got.numel() <= 64:
+        message += f"\n got {_shown(got)}\nwant {_shown(cast)}"
+    raise AssertionError(message)
+
+
+def _brief(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"tensor {value.dtype} {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return f"{type(value).__name__} of {len(value)} ({', '.join(_brief(v) for v in value)})"
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
+def assert_filled(name: str, got: torch.Tensor, value) -> None:
+    """Every element of `got` is `value`, bitwise (`assert_equal` against a filled tensor):
+    the contract's rows past a valid prefix (-1 ids, 0 weights, zero padding)."""
+    assert_equal(name, got, torch.full_like(got, value), check_dtype=True)
+
+
+HANDLE_TENSORS = ("psum_num_recv_tokens_per_scaleup_rank", "psum_num_recv_tokens_per_expert",
+                  "num_unaligned_recv_tokens_per_expert", "recv_src_metadata")
+HANDLE_VALUES = ("num_recv_tokens_per_expert_list", "num_experts", "expert_alignment",
+                 "num_max_tokens_per_rank", "do_expand", "do_cpu_sync", "num_recv_tokens",
+                 "num_expanded_tokens")
+
+
+def handle_fields(handle) -> dict:
+    """The public fields of an `EPHandle` that two dispatches of the same routing must agree
+    on (its routing tensors and counts; not `topk_idx`, which is the caller's input), by name."""
+    return {name: getattr(handle, name) for name in HANDLE_TENSORS + HANDLE_VALUES}
+
+
+def assert_fields_equal(name: str, got: dict, want: dict, *, check_dtype: bool = True) -> None:
+    """Two dicts of fields (e.g. `handle_fields`) have the same keys and `assert_equal` values
+    (named `name field`)."""
+    assert got.keys() == want.keys(), f"{name}: fields {sorted(got)} != {sorted(want)}"
+    for field_name, value in want.items():
+        assert_equal(f"{name} {field_name}", got[field_name], value, check_dtype=check_dtype)
+
+
+def specified_rows(handle, zero_padding: bool):
+    """The rows of a dispatch's `recv_x` whose contents the contract specifies, as an index:
+    all of them with `do_zero_padding`; else the valid compact prefix, or the expand rows that
+    hold a (token, slot) pair (the alignment gaps and the sync-free tail are left open)."""
+    if zero_padding:
+        return slice(None)
+    if handle.do_expand:
+        keep = torch.zeros(handle.num_expanded_tokens, dtype=torch.bool)
+        rows = handle.recv_src_metadata[:, 2:].flatten().long().cpu()
+        keep[rows[rows >= 0]] = True
+        return keep.to(handle.recv_src_metadata.device)
+    return slice(0, int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]))
+
+
+def assert_same_dispatch(name: str, got, want, zero_padding: bool = False) -> None:
+    """Two `Buffer.dispatch` results of the same call (e.g. two backends) agree bitwise: every
+    `handle_fields` entry, `recv_topk_idx`, `recv_topk_weights` (dtypes included) and the
+    `specified_rows` of `recv_x` (each part of an FP8 tuple)."""
+    (gx, gi, gw, gh), (wx, wi, ww, wh) = got[:4], want[:4]
+    assert_fields_equal(f"{name} handle", handle_fields(gh), handle_fields(wh))
+    assert_equal(f"{name} recv_topk_idx", gi, wi, check_dtype=True)
+    assert_equal(f"{name} recv_topk_weights", gw, ww, check_dtype=True)
+    keep = specified_rows(wh, zero_padding)
+    parts = lambda x: tuple(x) if isinstance(x, tuple) else (x,)  # noqa: E731
+    assert len(parts(gx)) == len(parts(wx)), f"{name} recv_x: {len(parts(gx))} parts, want {len(parts(wx))}"
+    for index, (g, w) in enumerate(zip(parts(gx), parts(wx))):
+        assert g.shape == w.shape, f"{name} recv_x[{index}]: shape {tuple(g.shape)} != {tuple(w.shape)}"
+        assert_equal(f"{name} recv_x[{index}]", g[keep], w[keep], check_dtype=True)
 
 
 def num_tokens_of(case: Case, rank: int, num_ranks: int, max_tokens: int) -> int:
@@ -191,25 +307,23 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
     assert_equal("num_unaligned_recv_tokens_per_expert", handle.num_unaligned_recv_tokens_per_expert, counts)
     want_psum = ref.expert_starts + counts if case.do_expand else aligned.cumsum(0)
     assert_equal("psum_num_recv_tokens_per_expert", handle.psum_num_recv_tokens_per_expert, want_psum)
-    if case.do_cpu_sync:
-        assert handle.num_recv_tokens_per_expert_list == aligned.tolist(), "num_recv_tokens_per_expert_list"
-    else:
-        assert handle.num_recv_tokens_per_expert_list is None, "num_recv_tokens_per_expert_list must be None"
+    assert_equal("num_recv_tokens_per_expert_list", handle.num_recv_tokens_per_expert_list,
+                 aligned.tolist() if case.do_cpu_sync else None)
 
     rows = n if case.do_cpu_sync else num_ranks * M
-    assert handle.num_recv_tokens == rows, f"num_recv_tokens {handle.num_recv_tokens} != {rows}"
+    assert_equal("num_recv_tokens", handle.num_recv_tokens, rows)
     meta = handle.recv_src_metadata
     assert meta.shape == (rows, K + 2), f"recv_src_metadata shape {tuple(meta.shape)}"
     assert_equal("recv_src_metadata[:, 0]", meta[:n, 0], ref.src_token)
     assert_equal("recv_src_metadata[:, 1]", meta[:n, 1], ref.last_slot)
     assert_equal("recv_src_metadata[:, 2:]", meta[:n, 2:], ref.expand_rows)
-    assert bool((meta[n:] == -1).all()), "recv_src_metadata past the valid prefix must be -1"
+    assert_filled("recv_src_metadata past the valid prefix", meta[n:], -1)
 
     if case.do_expand:
         n_e = int(ref.expand_valid.shape[0])
         cap = n_e if case.do_cpu_sync else expand_capacity(num_ranks, M, K, num_local, case.expert_alignment)
-        assert handle.num_expanded_tokens == cap, f"num_expanded_tokens {handle.num_expanded_tokens} != {cap}"
-        assert recv_idx is None, "expand layout returns recv_topk_idx=None"
+        assert_equal("num_expanded_tokens", handle.num_expanded_tokens, cap)
+        assert_equal("recv_topk_idx (None in the expand layout)", recv_idx, None)
         valid = ref.expand_valid.to(parts[0].device)
         for index, (got, want) in enumerate(zip(parts, ref_parts)):
             assert got.shape[0] == cap, f"recv_x[{index}] has {got.shape[0]} rows, want {cap}"
@@ -217,28 +331,28 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
                          check_dtype=True)
             if case.do_zero_padding:
                 assert_equal(f"recv_x[{index}] with zero padding", got[:n_e], want)
-                assert not bool(got[n_e:].view(torch.uint8).any()), f"recv_x[{index}] tail not zero"
+                assert_filled(f"recv_x[{index}] tail bytes (zero padding)", got[n_e:].view(torch.uint8), 0)
         if ref.recv_topk_weights is not None:
             assert recv_w.shape == (cap,), f"recv_topk_weights shape {tuple(recv_w.shape)}"
             assert_equal("recv_topk_weights (expand)", recv_w[:n_e], ref.recv_topk_weights,
                          check_dtype=True)
-            assert not bool(recv_w[n_e:].any()), "recv_topk_weights tail must be 0"
+            assert_filled("recv_topk_weights tail (expand)", recv_w[n_e:], 0.0)
         else:
-            assert recv_w is None, "recv_topk_weights must be None without topk_weights"
+            assert_equal("recv_topk_weights (None without topk_weights)", recv_w, None)
     else:
         for index, (got, want) in enumerate(zip(parts, ref_parts)):
             assert got.shape[0] == rows, f"recv_x[{index}] has {got.shape[0]} rows, want {rows}"
             assert_equal(f"recv_x[{index}]", got[:n], want, check_dtype=True)
             if case.do_zero_padding:
-                assert not bool(got[n:].view(torch.uint8).any()), f"recv_x[{index}] tail not zero"
+                assert_filled(f"recv_x[{index}] tail bytes (zero padding)", got[n:].view(torch.uint8), 0)
         assert recv_idx is not None, "compact layout returns recv_topk_idx"
         assert_equal("recv_topk_idx", recv_idx[:n], ref.recv_topk_idx)
-        assert bool((recv_idx[n:] == -1).all()), "recv_topk_idx past the valid prefix must be -1"
+        assert_filled("recv_topk_idx past the valid prefix", recv_idx[n:], -1)
         if ref.recv_topk_weights is not None:
             assert_equal("recv_topk_weights", recv_w[:n], ref.recv_topk_weights, check_dtype=True)
-            assert not bool(recv_w[n:].any()), "recv_topk_weights past the valid prefix must be 0"
+            assert_filled("recv_topk_weights past the valid prefix", recv_w[n:], 0.0)
         else:
-            assert recv_w is None, "recv_topk_weights must be None without topk_weights"
+            assert_equal("recv_topk_weights (None without topk_weights)", recv_w, None)
 
 
 def check_round_trip(buffer, case: Case) -> None:
@@ -325,10 +439,7 @@ def check_combine(buffer, case: Case, handle, ref: ReferenceDispatch, topk_idx: 
         topk_weights=None if y_weights is None else _first_rows(y_weights, n_valid).to(ref_dev),
         bias=tuple(b.to(ref_dev) for b in biases) or None)
     assert_equal("combined_x", combined, want, check_dtype=True)
-    if want_w is None:
-        assert combined_w is None, "combined_topk_weights must be None without topk_weights"
-    else:
-        assert_equal("combined_topk_weights", combined_w, want_w, check_dtype=True)
+    assert_equal("combined_topk_weights", combined_w, want_w, check_dtype=True)
 
 
 def describe(case: Case) -> str:
@@ -344,7 +455,9 @@ def describe(case: Case) -> str:
 
 __all__ = ["Case", "ROUTINGS", "make_routing", "make_inputs", "check_round_trip",
            "run_reference_dispatch", "check_dispatch_outputs", "ignored_rows", "check_combine",
-           "assert_equal", "describe", "align_up", "in_memory_form", "memory_form_cases", "run_cases"]
+           "assert_equal", "bitwise_equal", "assert_filled", "handle_fields", "assert_fields_equal",
+           "specified_rows", "assert_same_dispatch", "describe", "align_up", "in_memory_form",
+           "memory_form_cases", "run_cases"]
 
 
 def matrix_cases(num_experts: int, seed: int):
