@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from epcomm import Buffer
-from epcomm.testing.launch import run_local_ranks
+from epcomm.testing.launch import capture_graph, run_local_ranks
 from epcomm.testing.reference import reference_combine, reference_dispatch
 from epcomm.testing.verify import (Case, assert_equal, assert_filled, check_round_trip, make_inputs,
                                    make_routing)
@@ -68,15 +68,7 @@ def run_graph(backend: str, seed: int) -> int:
         combined, combined_w, _ = buffer.combine(expert_out, handle, topk_weights=recv_w)
         return recv_x, handle, combined, combined_w
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        recv_x, handle, combined, combined_w = step()
+    graph, (recv_x, handle, combined, combined_w) = capture_graph(step)
 
     gen = torch.Generator().manual_seed(seed)
     replays = 0

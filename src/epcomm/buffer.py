@@ -1,8 +1,12 @@
 """The public `Buffer`: checks arguments (`checks`), hands streams to the stream policy
-(`streams`) and the data to a backend (`backends`)."""
+(`streams`) and the data to a backend (`backends`). `ElasticBuffer` (`elastic`) serves
+DeepEP V2's interface through `Buffer` objects."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import itertools
+import numbers
 import os
 from typing import Optional, Union
 
@@ -11,15 +15,20 @@ import torch.distributed as dist
 
 from . import errors
 from .backends import make_backend
-from .backends.base import BufferConfig, CombineRequest, DispatchRequest, OutputAllocator
-from .checks import call_key, check_combine, check_dispatch, check_expert_ids
-from .events import EventOverlap
+from .backends.base import (BufferConfig, CombineRequest, DispatchRequest, DispatchResult,
+                            OutputAllocator)
+from .checks import (call_key, check_combine, check_combine_options, check_dispatch,
+                     check_expert_ids, check_flag, check_int, tensor_signature)
+from .events import EventHandle, EventOverlap, as_event_overlap
 from .handle import EPHandle
 from .streams import StreamPolicy, comm_stream
 
 DispatchInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 _buffer_ids = itertools.count()
+
+# TMA needs the column stride of a column-major scale tensor to be a multiple of 16 bytes.
+_TMA_ALIGNMENT_BYTES = 16
 
 
 def _taken_as_is(tensor: torch.Tensor, alignment: int) -> bool:
@@ -34,6 +43,36 @@ def _as_input(tensor: Optional[torch.Tensor], alignment: int) -> Optional[torch.
     if tensor is None or _taken_as_is(tensor, alignment):
         return tensor
     return tensor.clone(memory_format=torch.contiguous_format)
+
+
+def _on(stream: Optional["torch.cuda.Stream"]):
+    """A context in which torch operations are queued on `stream` (the stream a call's device
+    work goes to): nothing to do when it is already current (compared by raw handle: cheap).
+    Allocate a call's outputs (`OutputAllocator`) outside it: the allocator makes its own
+    `current` stream current again after allocating for another one."""
+    if stream is None or \
+            torch._C._cuda_getCurrentRawStream(stream.device_index) == stream.cuda_stream:
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def _wait(stream: Optional["torch.cuda.Stream"], event: Optional[EventOverlap]) -> None:
+    """`stream` waits for `event` (a device-side wait; nothing on CPU)."""
+    if stream is not None and event is not None and event.event is not None:
+        stream.wait_event(event.event)
+
+
+def tma_aligned_col_major(scales: torch.Tensor, alloc: OutputAllocator,
+                          stream: Optional["torch.cuda.Stream"] = None) -> torch.Tensor:
+    """`scales` [N, S] (4-byte elements) as a column-major tensor whose column stride is N
+    rounded up to 16 bytes: shape [N, S], strides (1, align(N, 4)) (the layout TMA loads of
+    FP8 GEMMs read). Allocated through `alloc`, filled on `stream` (None: the current one)."""
+    rows, cols = scales.shape
+    per_line = _TMA_ALIGNMENT_BYTES // scales.element_size()
+    storage = alloc.empty((cols, -(-rows // per_line) * per_line), scales.dtype)
+    with _on(stream):
+        storage[:, :rows].copy_(scales.t())
+    return storage[:, :rows].t()
 
 
 class Buffer:
@@ -53,20 +92,41 @@ class Buffer:
         num_sms: SMs for the communication kernels of the symmetric backend (None: default).
         device: where tensors live; default the current CUDA device, else CPU.
         timeout_s: how long a peer may be waited for before a timeout error.
+        allow_multiple_reduction: True (default): an expand-layout combine reduces each
+            token's local expert rows on the receiving rank first (one bf16 rounding there),
+            then sums the ranks' rows on the source. False: a single reduction: every expert
+            row travels back to the source, which sums them in top-k slot order in fp32 and
+            rounds once (`combine` has the exact rule; it moves one round of compact rows per
+            top-k slot). The compact layout has one reduction either way.
     """
 
     def __init__(self, group: dist.ProcessGroup, num_max_tokens_per_rank: int, hidden: int,
                  num_topk: int, use_fp8_dispatch: bool = False, deterministic: bool = True,
                  backend: str = "auto", num_sms: Optional[int] = None,
                  device: Optional[Union[str, torch.device]] = None,
-                 timeout_s: float = 100.0) -> None:
+                 timeout_s: float = 100.0, allow_multiple_reduction: bool = True) -> None:
+        if not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed.ProcessGroup, "
+                            f"got {type(group).__name__}")
         for name, value in (("num_max_tokens_per_rank", num_max_tokens_per_rank),
                             ("hidden", hidden), ("num_topk", num_topk)):
-            if not (isinstance(value, int) and value > 0):
+            if not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if backend not in ("auto", "collective", "symmetric"):
             raise ValueError("backend must be 'auto', 'collective' or 'symmetric', "
                              f"got {backend!r}")
+        use_fp8_dispatch = check_flag("use_fp8_dispatch", use_fp8_dispatch)
+        deterministic = check_flag("deterministic", deterministic)
+        allow_multiple_reduction = check_flag("allow_multiple_reduction",
+                                              allow_multiple_reduction)
+        if num_sms is not None:
+            num_sms = check_int("num_sms", num_sms, 1)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
+            raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        if device is not None and not isinstance(device, (str, torch.device)):
+            raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) \
                 if torch.cuda.is_available() else torch.device("cpu")
@@ -81,6 +141,7 @@ class Buffer:
         self.num_topk = num_topk
         self.use_fp8_dispatch = use_fp8_dispatch
         self.deterministic = deterministic
+        self.allow_multiple_reduction = allow_multiple_reduction
         self.timeout_s = timeout_s
         self.avoid_record_stream = os.environ.get("EP_AVOID_RECORD_STREAM", "0") == "1"
         self.buffer_id = next(_buffer_ids)
@@ -105,6 +166,10 @@ class Buffer:
         region of `R * M` records (a bf16 row or an FP8 row with its scales, expert ids,
         weights, source index) and a combine region of `R * M` bf16 rows with weights, 16-byte
         aligned, plus the counters. The collective backend allocates per call instead."""
+        for name, value in (("num_ranks", num_ranks), ("num_max_tokens_per_rank",
+                                                        num_max_tokens_per_rank),
+                            ("hidden", hidden), ("num_topk", num_topk)):
+            check_int(name, value, 1)
         from .backends.symmetric.heap import heap_layout
         return heap_layout(num_ranks, num_max_tokens_per_rank, hidden, num_topk)[-1]
 
@@ -118,7 +183,7 @@ class Buffer:
         as `previous_event`."""
         if not torch.cuda.is_available():
             return EventOverlap()
-        event = torch.cuda.Event()
+        event = EventHandle()
         event.record()
         return EventOverlap(event)
 
@@ -168,100 +233,162 @@ class Buffer:
     # -- dispatch and combine --------------------------------------------------------------
     def dispatch(self, x: DispatchInput, topk_idx: Optional[torch.Tensor] = None,
                  topk_weights: Optional[torch.Tensor] = None, num_experts: Optional[int] = None,
-                 num_max_tokens_per_rank: Optional[int] = None, expert_alignment: int = 1,
-                 do_cpu_sync: bool = True, do_expand: bool = False,
-                 do_zero_padding: bool = False, handle: Optional[EPHandle] = None,
-                 previous_event: Optional[EventOverlap] = None,
+                 num_max_tokens_per_rank: Optional[int] = None,
+                 expert_alignment: Optional[int] = 1, do_cpu_sync: Optional[bool] = True,
+                 do_expand: bool = False, do_zero_padding: bool = False,
+                 handle: Optional[EPHandle] = None, previous_event=None,
                  async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-                 do_handle_copy: bool = True):
+                 do_handle_copy: bool = True,
+                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                 num_sms: int = 0, num_qps: int = 0, previous_event_before_epilogue=None,
+                 use_tma_aligned_col_major_sf: bool = False):
         """Send every token to the ranks holding its top-k experts.
+
+        R ranks, E experts, E_l = E // R, K top-k slots, H hidden, T tokens on this rank.
 
         Args:
             x: [T, H] bf16, or (x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/128)] float32 or
-                int32), T <= M.
-            topk_idx: [T, K] int64 or int32 global expert ids, -1 for none. Not needed with
-                `handle`. Ids outside [-1, E) raise where the call reads the host (CPU tensors,
-                `do_cpu_sync=True`); a sync-free GPU call treats them as -1 and flags an error
-                for `check_errors()`.
-            topk_weights: [T, K] float32 or None.
+                int32 (e.g. four packed UE8M0 exponents)), T <= M.
+            topk_idx: [T, K] int64 (`epcomm.topk_idx_t`) or int32 global expert ids, -1 for
+                none. Not needed with `handle` (the handle's is used). Ids outside [-1, E)
+                raise where the call reads the host (CPU tensors, `do_cpu_sync=True`); a
+                sync-free GPU call treats them as -1 and flags an error for `check_errors()`.
+            topk_weights: [T, K] float32 or None; with `handle` too (e.g. a backward pass).
             num_experts: E, divisible by the group size (taken from `handle` when given).
-            num_max_tokens_per_rank: M, at most the buffer's (default: the buffer's).
+            num_max_tokens_per_rank: M of this call, at most the buffer's, the same on every
+                rank: the per-source stride of `recv_src_metadata[:, 0]` and the sync-free
+                capacity. None: the buffer's, or with `handle` the handle's (an explicit value
+                must then equal it).
             expert_alignment: each expert's row count (compact) or segment start (expand) is
-                aligned to this.
+                aligned to this (int >= 1; None: 1). Ignored with `handle` (the handle's).
             do_cpu_sync: True: exact-size outputs and `handle.num_recv_tokens_per_expert_list`.
                 False: capacity-size outputs, counts only on the device, no host sync.
+                None: True without `handle`. With `handle` the value is ignored: a cached
+                dispatch never reads the host, and its outputs have the handle's sizes
+                (exact if the handle's dispatch synchronized, else the capacity).
             do_expand: False: compact layout, one row per (source token, this rank).
                 True: expand layout, one row per (token, local expert slot), grouped by expert.
             do_zero_padding: zero the rows that carry no token (alignment gaps, sync-free tail).
-            handle: reuse this handle's routing and layout (cached dispatch: no count exchange).
-            previous_event: the comm stream waits on this instead of the current stream
-                (requires `allocate_on_comm_stream=True`).
+            handle: reuse this handle's routing and layout (cached dispatch: no count exchange);
+                the returned handle is this same object.
+            previous_event: the comm stream waits on this (`EventOverlap`, `EventHandle` or any
+                `torch.cuda.Event`) instead of the current stream (requires
+                `allocate_on_comm_stream=True`).
             async_with_compute_stream: if True, wait on the returned event before reading.
             allocate_on_comm_stream: allocate outputs from the comm stream's pool.
             do_handle_copy: store a copy of `topk_idx` in the handle (else a reference).
+            cumulative_local_expert_recv_stats: [E_l] int32, contiguous, on the buffer's
+                device, or None: the number of (token, slot) pairs this rank received for
+                each local expert (`handle.num_unaligned_recv_tokens_per_expert`) is added to
+                it in place, on the call's stream (no host sync; cached dispatches add too).
+            num_sms: the SMs (kernel programs) of this call: 0 for the buffer's
+                (`buffer.num_sms`). The symmetric backend's kernels are built for one count
+                (the same on every rank): another value raises ValueError. The collective
+                backend runs no kernels of its own and ignores it.
+            num_qps: RDMA queue pairs, int >= 0: accepted and ignored (no RDMA here).
+            previous_event_before_epilogue: an event (as `previous_event`) that must complete
+                before the call writes its outputs, or None. epcomm's dispatch is one step, so
+                the whole call waits for it on the stream it runs on.
+            use_tma_aligned_col_major_sf: FP8 input only: return the received scales
+                column-major, [N, S] with strides (1, align(N, 16 bytes)) (one extra copy);
+                else row-major [N, S].
 
         Returns:
-            recv_x: [N, H] bf16, or (fp8 [N, H], scales [N, ceil(H/128)]); N rows as the layout.
-            recv_topk_idx: compact: [N, K] local expert ids, -1 for other ranks' experts;
-                expand: None.
+            recv_x: [N, H] bf16, or (fp8 [N, H], scales [N, ceil(H/128)]); N rows as the layout:
+                compact `handle.num_recv_tokens`, expand `handle.num_expanded_tokens`.
+            recv_topk_idx: compact: [N, K] local expert ids (dtype of topk_idx), -1 for other
+                ranks' experts and rows past the valid prefix; expand: None.
             recv_topk_weights: compact [N, K] float32 full rows; expand [N] float32; None
                 without `topk_weights`.
             handle: `EPHandle` for combine and cached dispatch.
             event: `EventOverlap` on the comm stream.
         """
+        if previous_event is not None and previous_event.__class__ is not EventOverlap:
+            previous_event = as_event_overlap("previous_event", previous_event)
+        if previous_event_before_epilogue is not None and \
+                previous_event_before_epilogue.__class__ is not EventOverlap:
+            previous_event_before_epilogue = as_event_overlap("previous_event_before_epilogue",
+                                                              previous_event_before_epilogue)
+        stats = cumulative_local_expert_recv_stats
         key = None
-        if not do_cpu_sync and handle is None:
+        if do_cpu_sync is False and handle is None:
             rows = tuple(x) if isinstance(x, (tuple, list)) else (x,)
             key, addresses = call_key(rows, topk_idx, topk_weights, num_experts,
                                       num_max_tokens_per_rank, expert_alignment, do_expand,
                                       do_zero_padding, do_handle_copy, previous_event is not None,
-                                      allocate_on_comm_stream)
+                                      allocate_on_comm_stream, async_with_compute_stream,
+                                      num_sms, num_qps, use_tma_aligned_col_major_sf,
+                                      None if stats is None else tensor_signature(stats),
+                                      previous_event_before_epilogue is not None)
             prepared = None if addresses is None else self._backend.prepared_dispatch(key)
             if prepared is not None and prepared.takes(addresses):
                 # A call shape checked before: no checks, no request.
                 self._check_alive()
                 if self.device.type == "cpu":
                     check_expert_ids(topk_idx, num_experts)  # (the values are at hand)
-                result, event = self._streams.run(
-                    lambda alloc, stream: prepared.run(addresses, topk_idx, alloc, stream),
-                    (*rows, topk_idx, topk_weights), previous_event, async_with_compute_stream,
-                    allocate_on_comm_stream, direct=True)
+                if stats is None and previous_event_before_epilogue is None and \
+                        not use_tma_aligned_col_major_sf:
+                    def work(alloc, stream):
+                        return prepared.run(addresses, topk_idx, alloc, stream)
+                    inputs = (*rows, topk_idx, topk_weights)
+                else:
+                    def work(alloc, stream):
+                        _wait(stream, previous_event_before_epilogue)
+                        return self._epilogue(prepared.run(addresses, topk_idx, alloc, stream),
+                                              alloc, stream, stats, use_tma_aligned_col_major_sf)
+                    inputs = (*rows, topk_idx, topk_weights, stats)
+                result, event = self._streams.run(work, inputs, previous_event,
+                                                  async_with_compute_stream,
+                                                  allocate_on_comm_stream, direct=True)
                 return self._dispatch_returns(result, len(rows), event)
         self._check_alive()
-        max_tokens = self.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
-            else num_max_tokens_per_rank
-        if not (isinstance(max_tokens, int) and 0 < max_tokens <= self.num_max_tokens_per_rank):
-            raise ValueError("num_max_tokens_per_rank must be in "
-                             f"[1, {self.num_max_tokens_per_rank}] (the buffer's), "
-                             f"got {max_tokens!r}")
-        rows, topk_idx, topk_weights = check_dispatch(
-            self.config, x, topk_idx, topk_weights, num_experts, max_tokens, expert_alignment,
-            do_cpu_sync, handle, previous_event, allocate_on_comm_stream)
-        if handle is not None:
-            num_experts, expert_alignment = handle.num_experts, handle.expert_alignment
-            do_cpu_sync, do_expand = handle.do_cpu_sync, handle.do_expand
-        copy_topk_idx = handle is None and do_handle_copy
+        args = check_dispatch(self.config, self._backend.num_sms, x, topk_idx, topk_weights,
+                              num_experts, num_max_tokens_per_rank, expert_alignment,
+                              do_cpu_sync, do_expand, do_zero_padding, handle, previous_event,
+                              async_with_compute_stream, allocate_on_comm_stream,
+                              do_handle_copy, stats, num_sms, num_qps,
+                              previous_event_before_epilogue, use_tma_aligned_col_major_sf)
+        copy_topk_idx = handle is None and args.do_handle_copy
 
         def work(alloc: OutputAllocator, stream):
             # Copies run here, on the stream the call runs on: with `previous_event` it does
             # not wait for work queued on the current stream after that event.
+            _wait(stream, args.previous_event_before_epilogue)
             alignment = self._backend.input_alignment
-            return self._backend.dispatch(DispatchRequest(
-                rows=[_as_input(row, alignment) for row in rows],
-                topk_idx=_as_input(topk_idx, alignment),
-                topk_weights=_as_input(topk_weights, alignment),
-                num_experts=num_experts, num_max_tokens_per_rank=max_tokens,
-                expert_alignment=expert_alignment, do_cpu_sync=do_cpu_sync, do_expand=do_expand,
-                do_zero_padding=do_zero_padding, cached=handle, alloc=alloc,
-                copy_topk_idx=copy_topk_idx, stream=stream, key=key))
+            result = self._backend.dispatch(DispatchRequest(
+                rows=[_as_input(row, alignment) for row in args.rows],
+                topk_idx=_as_input(args.topk_idx, alignment),
+                topk_weights=_as_input(args.topk_weights, alignment),
+                num_experts=args.num_experts, num_max_tokens_per_rank=args.num_max_tokens_per_rank,
+                expert_alignment=args.expert_alignment, do_cpu_sync=args.do_cpu_sync,
+                do_expand=args.do_expand, do_zero_padding=args.do_zero_padding, cached=handle,
+                alloc=alloc, copy_topk_idx=copy_topk_idx, stream=stream, key=key))
+            if handle is not None:
+                result.handle = handle  # a cached dispatch returns its handle
+            return self._epilogue(result, alloc, stream, stats, args.use_tma_aligned_col_major_sf)
 
-        inputs = (*rows, topk_idx, topk_weights)
-        result, event = self._streams.run(work, inputs, previous_event,
-                                          async_with_compute_stream, allocate_on_comm_stream,
-                                          self._direct(inputs, do_cpu_sync))
-        if do_cpu_sync and self.device.type == "cuda":
+        inputs = (*args.rows, args.topk_idx, args.topk_weights)
+        # A cached dispatch never reads the host: it has the handle's sizes.
+        host_reads = args.do_cpu_sync and handle is None
+        result, event = self._streams.run(work, inputs if stats is None else (*inputs, stats),
+                                          args.previous_event, args.async_with_compute_stream,
+                                          args.allocate_on_comm_stream,
+                                          self._direct(inputs, host_reads))
+        if host_reads and self.device.type == "cuda":
             self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
-        return self._dispatch_returns(result, len(rows), event)
+        return self._dispatch_returns(result, len(args.rows), event)
+
+    @staticmethod
+    def _epilogue(result: DispatchResult, alloc: OutputAllocator, stream, stats,
+                  col_major_scales: bool) -> DispatchResult:
+        """A dispatch's optional steps after the backend's, on the call's stream: the received
+        counts added to `stats`; the received FP8 scales made TMA-aligned column-major."""
+        if stats is not None:
+            with _on(stream):
+                stats.add_(result.handle.tensors["num_unaligned_recv_tokens_per_expert"])
+        if col_major_scales and len(result.recv_rows) == 2:
+            result.recv_rows[1] = tma_aligned_col_major(result.recv_rows[1], alloc, stream)
+        return result
 
     @staticmethod
     def _dispatch_returns(result, num_payloads: int, event: EventOverlap):
@@ -272,8 +399,9 @@ class Buffer:
     def combine(self, x: torch.Tensor, handle: EPHandle,
                 topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, tuple[torch.Tensor, ...]] = None,
-                previous_event: Optional[EventOverlap] = None,
-                async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False):
+                previous_event=None, async_with_compute_stream: bool = False,
+                allocate_on_comm_stream: bool = False, num_sms: int = 0, num_qps: int = 0,
+                previous_event_before_epilogue=None):
         """Bring expert outputs back to their source tokens and reduce them (fp32, fixed order).
 
         Args:
@@ -284,20 +412,42 @@ class Buffer:
                 sent back per slot; or None.
             bias: None, one [T, H] bf16 tensor or a tuple of up to two, added in fp32 first.
             previous_event, async_with_compute_stream, allocate_on_comm_stream: as in dispatch.
+            num_sms: 0 (the handle's) or the buffer's kernel programs (as in dispatch).
+            num_qps: accepted and ignored (int >= 0).
+            previous_event_before_epilogue: an event the whole call waits for, or None.
 
         Returns:
-            combined_x: [T, H] bf16, `bf16(bias_sum + sum over receiving ranks)` in the order
-                of each rank's last top-k slot of the token.
+            combined_x: [T, H] bf16. With the buffer's `allow_multiple_reduction=True` (and in
+                the compact layout always): `bf16(bias_sum + sum over receiving ranks)`, each
+                rank's row (in the expand layout the bf16 sum of its local slots' rows) added
+                at the token's last top-k slot on that rank, in slot order. Expand layout with
+                `allow_multiple_reduction=False`: `bf16(bias_sum + sum of the rows of every
+                valid slot j, j = 0..K-1)` in fp32, one rounding.
             combined_topk_weights: [T, K] float32, the weight each slot's owner sent back,
                 0 for -1 slots; None without `topk_weights`.
             event: `EventOverlap` on the comm stream.
         """
         self._check_alive()
-        biases = check_combine(self.config, x, handle, topk_weights, bias, previous_event,
-                               allocate_on_comm_stream)
+        biases = check_combine(self.config, x, handle, topk_weights, bias)
+        if previous_event is not None or previous_event_before_epilogue is not None or \
+                async_with_compute_stream is not False or allocate_on_comm_stream is not False \
+                or num_sms.__class__ is not int or num_qps.__class__ is not int or num_sms \
+                or num_qps < 0:  # (the defaults need no checks)
+            previous_event, async_with_compute_stream, allocate_on_comm_stream, \
+                previous_event_before_epilogue = check_combine_options(
+                    self._backend.num_sms, previous_event, async_with_compute_stream,
+                    allocate_on_comm_stream, num_sms, num_qps, previous_event_before_epilogue)
+        before_epilogue = previous_event_before_epilogue
+        single = handle.do_expand and not self.allow_multiple_reduction
 
         def work(alloc: OutputAllocator, stream):
+            if before_epilogue is not None:
+                _wait(stream, before_epilogue)
             alignment = self._backend.input_alignment
+            if single:
+                return self._combine_single_reduction(
+                    handle, _as_input(x, alignment), _as_input(topk_weights, alignment),
+                    tuple(_as_input(b, alignment) for b in biases), alloc, stream)
             return self._backend.combine(CombineRequest(
                 x=_as_input(x, alignment), handle=handle,
                 topk_weights=_as_input(topk_weights, alignment),
@@ -309,3 +459,44 @@ class Buffer:
             work, inputs, previous_event, async_with_compute_stream, allocate_on_comm_stream,
             self._direct(inputs, handle.do_cpu_sync))
         return combined_x, combined_weights, event
+
+    def _combine_single_reduction(self, handle: EPHandle, x: torch.Tensor,
+                                  weights: Optional[torch.Tensor], biases: tuple,
+                                  alloc: OutputAllocator, stream) -> tuple:
+        """An expand-layout combine with one reduction (`allow_multiple_reduction=False`).
+
+        Round j (j = 0..K-1) is a compact combine through the handle's routing whose row for
+        compact row n is `x[expand row of slot j]` where slot j of n is local, else +0.0: each
+        source token gets back exactly the row of its slot j (its other ranks send +0.0, and
+        `bf16(0.0 + y) = y`), or +0.0 for a -1 slot. The source adds the rounds to
+        `acc = 0.0 + biases` in slot order in fp32 and rounds once. The weights travel in round
+        0, as the compact weights row of each slot's expand row."""
+        meta = handle.tensors["recv_src_metadata"]
+        num_topk = meta.shape[1] - 2
+        compact = dataclasses.replace(handle, do_expand=False, num_expanded_tokens=0)
+        combined_x = alloc.empty((handle.num_tokens, self.hidden), torch.bfloat16)
+        combined_weights = None if weights is None else \
+            alloc.empty((handle.num_tokens, num_topk), torch.float32)
+        with _on(stream):
+            temp = OutputAllocator(self.device, stream, stream, remember=False)
+            slot_rows = meta[:, 2:].long()
+            local = slot_rows >= 0
+            slot_rows = slot_rows.clamp(min=0)
+            acc = torch.zeros(handle.num_tokens, self.hidden, dtype=torch.float32,
+                              device=self.device)
+            for bias in biases:
+                acc = acc + bias.float()
+            round_weights = None if weights is None else \
+                torch.where(local, weights[slot_rows], 0.0)
+            zero = x.new_zeros(())
+            for slot in range(num_topk):
+                rows = torch.where(local[:, slot, None], x.index_select(0, slot_rows[:, slot]),
+                                   zero)
+                returned, returned_weights = self._backend.combine(CombineRequest(
+                    x=rows, handle=compact, topk_weights=round_weights if slot == 0 else None,
+                    biases=(), alloc=temp, stream=stream))
+                acc += returned.float()
+                if slot == 0 and combined_weights is not None:
+                    combined_weights.copy_(returned_weights)
+            combined_x.copy_(acc)
+        return combined_x, combined_weights

@@ -1,15 +1,30 @@
-"""Argument checks of `Buffer`'s public calls: each violated precondition raises, naming the
-argument and the expected value, before any communication starts. Also the call key under
-which a backend keeps a prepared sync-free dispatch (`call_key`)."""
+"""Argument checks of `Buffer`'s public calls: each violated precondition raises `TypeError` (a
+wrong type) or `ValueError` (a wrong value), naming the argument and the expected value, before
+any communication starts. Also the call key under which a backend keeps a prepared sync-free
+dispatch (`call_key`)."""
 from __future__ import annotations
 
+import numbers
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 
 from .backends.base import BufferConfig
+from .events import EventOverlap, as_event_overlap, check_flag
 from .fp8 import num_scales
 from .handle import EPHandle
+
+
+def check_int(name: str, value, minimum: int = 0) -> int:
+    """`value` as an int >= `minimum` (any integral number but a bool)."""
+    if type(value) is not int:
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        value = int(value)
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
 
 
 def check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
@@ -43,9 +58,28 @@ def check_handle(config: BufferConfig, handle, num_tokens: Optional[int] = None)
                          f"this call has {num_tokens}")
 
 
-def check_stream_options(previous_event, allocate_on_comm_stream: bool) -> None:
+def check_stream_options(previous_event, async_with_compute_stream,
+                         allocate_on_comm_stream) -> tuple[Optional[EventOverlap], bool, bool]:
+    """(previous_event as an `EventOverlap` or None, async_with_compute_stream,
+    allocate_on_comm_stream) checked."""
+    previous_event = as_event_overlap("previous_event", previous_event)
+    async_with_compute_stream = check_flag("async_with_compute_stream",
+                                           async_with_compute_stream)
+    allocate_on_comm_stream = check_flag("allocate_on_comm_stream", allocate_on_comm_stream)
     if previous_event is not None and not allocate_on_comm_stream:
         raise ValueError("previous_event requires allocate_on_comm_stream=True")
+    return previous_event, async_with_compute_stream, allocate_on_comm_stream
+
+
+def check_num_sms(num_sms, backend_num_sms: Optional[int]) -> int:
+    """`num_sms` (0: the buffer's) checked against the programs of the backend's kernels
+    (`backend_num_sms`, None for a backend without kernels of its own, which ignores it)."""
+    num_sms = check_int("num_sms", num_sms)
+    if num_sms and backend_num_sms is not None and num_sms != backend_num_sms:
+        raise ValueError(f"num_sms={num_sms}: this buffer's kernels run with exactly "
+                         f"{backend_num_sms} programs (fixed when the buffer was made, the "
+                         f"same on every rank); pass 0 or {backend_num_sms}")
+    return num_sms
 
 
 def dispatch_rows(config: BufferConfig, x) -> list[torch.Tensor]:
@@ -62,43 +96,114 @@ def dispatch_rows(config: BufferConfig, x) -> list[torch.Tensor]:
             raise ValueError(f"x[1] (FP8 scales) must have shape {expect}, "
                              f"got {tuple(scales.shape)}")
         rows = [x_fp8, scales]
-    else:
+    elif isinstance(x, torch.Tensor):
         check_tensor("x", x, (torch.bfloat16,), 2, dev)
         rows = [x]
+    else:
+        raise TypeError(f"x must be a bf16 torch.Tensor or a tuple (x_fp8, scales), "
+                        f"got {type(x).__name__}")
     if rows[0].shape[1] != config.hidden:
         raise ValueError(f"x must have hidden size {config.hidden}, got {rows[0].shape[1]}")
     return rows
 
 
-def check_dispatch(config: BufferConfig, x, topk_idx, topk_weights, num_experts,
-                   max_tokens: int, expert_alignment, do_cpu_sync, handle, previous_event,
-                   allocate_on_comm_stream):
-    """A dispatch's arguments checked: (payload rows, topk_idx (the handle's for a cached
-    dispatch), topk_weights)."""
+@dataclass
+class DispatchArgs:
+    """A dispatch's arguments checked, defaults and a cached dispatch's handle values
+    resolved. rows: the payload tensors (`dispatch_rows`); topk_idx: the caller's, or the
+    handle's for a cached dispatch."""
+
+    rows: list
+    topk_idx: torch.Tensor
+    topk_weights: Optional[torch.Tensor]
+    num_experts: int
+    num_max_tokens_per_rank: int
+    expert_alignment: int
+    do_cpu_sync: bool
+    do_expand: bool
+    do_zero_padding: bool
+    do_handle_copy: bool
+    previous_event: Optional[EventOverlap]
+    async_with_compute_stream: bool
+    allocate_on_comm_stream: bool
+    cumulative_local_expert_recv_stats: Optional[torch.Tensor]
+    previous_event_before_epilogue: Optional[EventOverlap]
+    use_tma_aligned_col_major_sf: bool
+
+
+def check_stats(config: BufferConfig, stats, num_local: int) -> None:
+    """`cumulative_local_expert_recv_stats`: int32 [E_l] contiguous, on the buffer's device."""
+    check_tensor("cumulative_local_expert_recv_stats", stats, (torch.int32,), 1, config.device)
+    if stats.shape[0] != num_local:
+        raise ValueError(f"cumulative_local_expert_recv_stats must have shape ({num_local},) "
+                         f"(one entry per local expert), got {tuple(stats.shape)}")
+    if not stats.is_contiguous():
+        raise ValueError("cumulative_local_expert_recv_stats must be contiguous (it is "
+                         "updated in place)")
+
+
+def check_dispatch(config: BufferConfig, backend_num_sms: Optional[int], x, topk_idx,
+                   topk_weights, num_experts, num_max_tokens_per_rank, expert_alignment,
+                   do_cpu_sync, do_expand, do_zero_padding, handle, previous_event,
+                   async_with_compute_stream, allocate_on_comm_stream, do_handle_copy,
+                   stats, num_sms, num_qps, previous_event_before_epilogue,
+                   use_tma_aligned_col_major_sf) -> DispatchArgs:
+    """Every argument of `Buffer.dispatch` checked (the buffer's M: `config`)."""
     dev = config.device
     rows = dispatch_rows(config, x)
     num_tokens = rows[0].shape[0]
-    if num_tokens > max_tokens:
-        raise ValueError(f"x has {num_tokens} tokens, more than "
-                         f"num_max_tokens_per_rank={max_tokens}")
-    if not (isinstance(expert_alignment, int) and expert_alignment >= 1):
-        raise ValueError(f"expert_alignment must be an int >= 1, got {expert_alignment!r}")
-    check_stream_options(previous_event, allocate_on_comm_stream)
+    previous_event, async_with_compute_stream, allocate_on_comm_stream = check_stream_options(
+        previous_event, async_with_compute_stream, allocate_on_comm_stream)
+    previous_event_before_epilogue = as_event_overlap("previous_event_before_epilogue",
+                                                      previous_event_before_epilogue)
+    do_expand = check_flag("do_expand", do_expand)
+    do_zero_padding = check_flag("do_zero_padding", do_zero_padding)
+    do_handle_copy = check_flag("do_handle_copy", do_handle_copy)
+    use_tma_aligned_col_major_sf = check_flag("use_tma_aligned_col_major_sf",
+                                              use_tma_aligned_col_major_sf)
+    check_num_sms(num_sms, backend_num_sms)
+    check_int("num_qps", num_qps)
+    if do_cpu_sync is not None:
+        do_cpu_sync = check_flag("do_cpu_sync", do_cpu_sync)
+    if expert_alignment is not None:
+        expert_alignment = check_int("expert_alignment", expert_alignment, 1)
+    if num_experts is not None:
+        num_experts = check_int("num_experts", num_experts, 1)
+    if num_max_tokens_per_rank is not None:
+        num_max_tokens_per_rank = check_int("num_max_tokens_per_rank", num_max_tokens_per_rank, 1)
+        if num_max_tokens_per_rank > config.num_max_tokens_per_rank:
+            raise ValueError(f"num_max_tokens_per_rank must be in "
+                             f"[1, {config.num_max_tokens_per_rank}] (the buffer's), "
+                             f"got {num_max_tokens_per_rank}")
+
     if handle is not None:
+        # Cached dispatch: the handle's routing, layout and sizes; never a count exchange.
         check_handle(config, handle, num_tokens)
         if num_experts is not None and num_experts != handle.num_experts:
             raise ValueError(f"num_experts={num_experts} differs from the handle's "
                              f"{handle.num_experts}")
-        if max_tokens != handle.num_max_tokens_per_rank:
-            raise ValueError(f"num_max_tokens_per_rank={max_tokens} differs from the handle's "
-                             f"{handle.num_max_tokens_per_rank}")
-        topk_idx = handle.topk_idx
+        if num_max_tokens_per_rank is not None and \
+                num_max_tokens_per_rank != handle.num_max_tokens_per_rank:
+            raise ValueError(f"num_max_tokens_per_rank={num_max_tokens_per_rank} differs from "
+                             f"the handle's {handle.num_max_tokens_per_rank} (a cached "
+                             f"dispatch takes it from its handle)")
+        num_experts, max_tokens = handle.num_experts, handle.num_max_tokens_per_rank
+        expert_alignment = handle.expert_alignment
+        do_cpu_sync, do_expand = handle.do_cpu_sync, handle.do_expand
+        topk_idx = handle.tensors["topk_idx"]
     else:
-        if not (isinstance(num_experts, int) and num_experts > 0):
-            raise ValueError(f"num_experts must be a positive int, got {num_experts!r}")
+        max_tokens = config.num_max_tokens_per_rank if num_max_tokens_per_rank is None \
+            else num_max_tokens_per_rank
+        if num_tokens > max_tokens:
+            raise ValueError(f"x has {num_tokens} tokens, more than "
+                             f"num_max_tokens_per_rank={max_tokens}")
+        if num_experts is None:
+            raise ValueError("num_experts is required unless a handle is given")
         if num_experts % config.num_ranks != 0:
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
                              f"{config.num_ranks}")
+        expert_alignment = 1 if expert_alignment is None else expert_alignment
+        do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
         if topk_idx is None:
             raise ValueError("topk_idx is required unless a handle is given")
         check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, dev)
@@ -112,12 +217,16 @@ def check_dispatch(config: BufferConfig, x, topk_idx, topk_weights, num_experts,
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"topk_weights must have shape {tuple(topk_idx.shape)}, "
                              f"got {tuple(topk_weights.shape)}")
-    return rows, topk_idx, topk_weights
+    if stats is not None:
+        check_stats(config, stats, num_experts // config.num_ranks)
+    return DispatchArgs(rows, topk_idx, topk_weights, num_experts, max_tokens, expert_alignment,
+                        do_cpu_sync, do_expand, do_zero_padding, do_handle_copy, previous_event,
+                        async_with_compute_stream, allocate_on_comm_stream, stats,
+                        previous_event_before_epilogue, use_tma_aligned_col_major_sf)
 
 
-def check_combine(config: BufferConfig, x, handle, topk_weights, bias, previous_event,
-                  allocate_on_comm_stream) -> tuple:
-    """A combine's arguments checked: the biases as a tuple of 0 to 2 tensors."""
+def check_combine(config: BufferConfig, x, handle, topk_weights, bias) -> tuple:
+    """A combine's tensors and handle checked: the biases as a tuple of 0 to 2 tensors."""
     check_handle(config, handle)
     dev, hidden = config.device, config.hidden
     rows = handle.num_output_rows
@@ -131,7 +240,15 @@ def check_combine(config: BufferConfig, x, handle, topk_weights, bias, previous_
         if topk_weights.shape != expect:
             raise ValueError(f"topk_weights must have shape {expect}, "
                              f"got {tuple(topk_weights.shape)}")
-    biases = () if bias is None else (bias,) if isinstance(bias, torch.Tensor) else tuple(bias)
+    if bias is None:
+        biases = ()
+    elif isinstance(bias, torch.Tensor):
+        biases = (bias,)
+    elif isinstance(bias, (tuple, list)):
+        biases = tuple(bias)
+    else:
+        raise TypeError(f"bias must be None, a torch.Tensor or a tuple of them, "
+                        f"got {type(bias).__name__}")
     if len(biases) > 2:
         raise ValueError(f"bias takes at most 2 tensors, got {len(biases)}")
     for index, tensor in enumerate(biases):
@@ -139,8 +256,33 @@ def check_combine(config: BufferConfig, x, handle, topk_weights, bias, previous_
         if tensor.shape != (handle.num_tokens, hidden):
             raise ValueError(f"bias[{index}] must have shape "
                              f"{(handle.num_tokens, hidden)}, got {tuple(tensor.shape)}")
-    check_stream_options(previous_event, allocate_on_comm_stream)
     return biases
+
+
+def check_combine_options(backend_num_sms: Optional[int], previous_event,
+                          async_with_compute_stream, allocate_on_comm_stream, num_sms, num_qps,
+                          previous_event_before_epilogue) -> tuple:
+    """A combine's other arguments checked: (previous_event, async_with_compute_stream,
+    allocate_on_comm_stream, previous_event_before_epilogue), the events as `EventOverlap` or
+    None. (`Buffer.combine` calls it only when an argument is not its default.)"""
+    previous_event, async_with_compute_stream, allocate_on_comm_stream = check_stream_options(
+        previous_event, async_with_compute_stream, allocate_on_comm_stream)
+    check_num_sms(num_sms, backend_num_sms)
+    check_int("num_qps", num_qps)
+    previous_event_before_epilogue = as_event_overlap("previous_event_before_epilogue",
+                                                      previous_event_before_epilogue)
+    return (previous_event, async_with_compute_stream, allocate_on_comm_stream,
+            previous_event_before_epilogue)
+
+
+def tensor_signature(tensor) -> Optional[tuple]:
+    """What a prepared call's key records of an optional extra tensor argument: None, or its
+    type, dtype, shape, device and contiguity (checked once per key)."""
+    if tensor is None:
+        return None
+    if type(tensor) is not torch.Tensor:
+        return (type(tensor),)
+    return tensor.dtype, tensor.shape, tensor.device, tensor.is_contiguous()
 
 
 def call_key(rows, topk_idx, topk_weights,

@@ -17,7 +17,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .backends.base import OutputAllocator
-from .events import EventOverlap
+from .events import EventHandle, EventOverlap
 
 _comm_streams: dict[int, "torch.cuda.Stream"] = {}
 
@@ -147,7 +147,7 @@ class StreamPolicy:
                     torch.cuda.set_stream(compute)
         else:
             result = work(alloc, comm)
-        event = torch.cuda.Event()
+        event = EventHandle()
         event.record(comm)
         outputs = alloc.allocated
         # Without `async_with_compute_stream` the current stream waits for the comm stream

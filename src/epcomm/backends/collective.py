@@ -90,12 +90,15 @@ class _CollectiveState:
     send: this rank's routing. send_splits / recv_splits: host split sizes (sync mode only).
     compact_row: [R * M] int64, the compact row of each padded receive position (src * M + i),
         `R * M` where nothing arrived (sync-free mode only).
+    block_base: [R] int64 on the device, the first send row of each destination's block (sync
+        mode only: a cached dispatch and combine need no copy from the host).
     """
 
     send: SendLayout
     send_splits: Optional[list[int]]
     recv_splits: Optional[list[int]]
     compact_row: Optional[torch.Tensor]
+    block_base: Optional[torch.Tensor] = None
 
 
 class CollectiveBackend(Backend):
@@ -169,7 +172,8 @@ class CollectiveBackend(Backend):
 
         # Gather records into per-destination blocks: one pass, no per-destination scatter.
         if sync:
-            block_base = torch.tensor([0] + send_splits[:-1], device=self.device).cumsum(0)
+            block_base = state.block_base if cached is not None else \
+                torch.tensor([0] + send_splits[:-1], device=self.device).cumsum(0)
             send_rows = sum(send_splits)
         else:
             block_base = torch.arange(R, device=self.device) * M
@@ -189,7 +193,9 @@ class CollectiveBackend(Backend):
         if sync:
             compact = self._all_to_all("dispatch", send_buf, sum(recv_splits), send_splits,
                                        recv_splits)
-            recv_counts = torch.tensor(recv_splits, device=self.device)
+            # (a cached dispatch returns its handle: no counts needed)
+            recv_counts = None if cached is not None else \
+                torch.tensor(recv_splits, device=self.device)
             compact_row = None
         else:
             padded = self._all_to_all("dispatch", send_buf, R * M)
@@ -204,10 +210,12 @@ class CollectiveBackend(Backend):
             compact = _gather_records(padded, padded_of_row.clamp(max=R * M - 1))
             codec.column_bytes(compact, meta).masked_fill_((padded_of_row == R * M)[:, None], 0)
         return self._finish_dispatch(request, codec, compact, recv_counts, num_local,
-                                     _CollectiveState(send, send_splits, recv_splits, compact_row))
+                                     _CollectiveState(send, send_splits, recv_splits, compact_row,
+                                                      block_base if sync else None))
 
     def _finish_dispatch(self, request: DispatchRequest, codec: _RecordCodec,
-                         compact: torch.Tensor, recv_counts: torch.Tensor, num_local: int,
+                         compact: torch.Tensor, recv_counts: Optional[torch.Tensor],
+                         num_local: int,
                          state: _CollectiveState) -> DispatchResult:
         """Decode compact records into the outputs and the handle."""
         R, me, M = self.num_ranks, self.rank, request.num_max_tokens_per_rank
@@ -229,7 +237,11 @@ class CollectiveBackend(Backend):
                               experts.expand_rows], dim=1).int()
 
         counts_list = None
-        if sync:
+        cached = request.cached
+        if cached is not None:  # its sizes: a cached dispatch reads nothing back
+            counts_list, num_expanded = cached.num_recv_tokens_per_expert_list, \
+                cached.num_expanded_tokens
+        elif sync:
             aligned = experts.psum_aligned - experts.starts
             counts_list = aligned.tolist()
             num_expanded = sum(counts_list) if request.do_expand else 0
@@ -269,17 +281,25 @@ class CollectiveBackend(Backend):
                 recv_weights = alloc.empty((num_rows, num_topk), torch.float32).copy_(
                     torch.where(row_valid[:, None], codec.read(compact, weight_index), 0.0))
 
+        if cached is not None:
+            return DispatchResult(recv_rows, recv_topk_idx, recv_weights, cached)
         if request.do_expand:
             psum_expert = experts.starts + experts.counts
         else:
             psum_expert = experts.psum_aligned
+        # The record of each slot's destination: its block of M rows, then the position.
+        send = state.send
+        destination = send.slot_rank.clamp(min=0)
+        dst_slot = torch.where(send.slot_rank >= 0,
+                               destination * M + send.send_pos.gather(1, destination), -1)
         handle = EPHandle(
             tensors=dict(
                 psum_num_recv_tokens_per_scaleup_rank=recv_counts.cumsum(0).int(),
                 psum_num_recv_tokens_per_expert=psum_expert.int(),
                 num_unaligned_recv_tokens_per_expert=experts.counts.int(),
                 recv_src_metadata=alloc.empty(tuple(metadata.shape), torch.int32).copy_(metadata),
-                topk_idx=request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx),
+                topk_idx=request.topk_idx.clone() if request.copy_topk_idx else request.topk_idx,
+                dst_buffer_slot_idx=dst_slot.int()),
             num_recv_tokens_per_expert_list=counts_list,
             num_experts=request.num_experts,
             expert_alignment=request.expert_alignment,
@@ -292,6 +312,7 @@ class CollectiveBackend(Backend):
             num_tokens=request.topk_idx.shape[0],
             hidden=self.config.hidden,
             backend_state=state,
+            num_sms=self.config.num_sms or 0,
         )
         return DispatchResult(recv_rows, recv_topk_idx, recv_weights, handle)
 
@@ -301,8 +322,8 @@ class CollectiveBackend(Backend):
         state: _CollectiveState = handle.backend_state
         R, M = self.num_ranks, handle.num_max_tokens_per_rank
         num_rows = handle.num_recv_tokens
-        num_tokens, num_topk = handle.topk_idx.shape
-        expand_rows = handle.recv_src_metadata[:, 2:].long()
+        num_tokens, num_topk = handle.tensors["topk_idx"].shape
+        expand_rows = handle.tensors["recv_src_metadata"][:, 2:].long()
         x, weights = request.x, request.topk_weights
 
         if handle.do_expand:
@@ -327,7 +348,7 @@ class CollectiveBackend(Backend):
                                         state.recv_splits, state.send_splits)
             if returned.shape[0] == 0:  # nothing was sent: keep one row for the masked gathers
                 returned = records.new_zeros(1, codec.nbytes)
-            block_base = torch.tensor([0] + state.send_splits[:-1], device=self.device).cumsum(0)
+            block_base = state.block_base
         else:
             # Rows where nothing arrived carry any record: their source never reads them.
             back = _gather_records(records, state.compact_row.clamp(max=R * M - 1))

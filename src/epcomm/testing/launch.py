@@ -89,3 +89,29 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, pg_back
         codes = [p.exitcode for p in processes]
         raise RuntimeError(f"ranks exited without a result (exit codes {codes})")
     return [results[rank] for rank in range(world_size)]
+
+
+def run_seeded(fn: Callable[..., Any], world_size: int, seed: int, *args: Any,
+               **kwargs: Any) -> list[Any]:
+    """`run_local_ranks(fn, world_size, *args, **kwargs)` whose failure names `seed`, so that
+    `EPCOMM_TEST_SEED=seed` replays it."""
+    try:
+        return run_local_ranks(fn, world_size, *args, **kwargs)
+    except RuntimeError as exc:
+        raise RuntimeError(f"EPCOMM_TEST_SEED={seed}: {exc}") from None
+
+
+def capture_graph(step: Callable[[], Any], warmup: int = 2) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """`step()` run `warmup` times on a side stream (as PyTorch's graph capture wants), then
+    captured once in a CUDA graph: (the graph, what the captured `step()` returned, whose
+    tensors each `graph.replay()` refills)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = step()
+    return graph, outputs

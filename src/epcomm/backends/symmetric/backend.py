@@ -186,7 +186,7 @@ class SymmetricBackend(Backend):
             parts = [("psum_num_recv_tokens_per_scaleup_rank", (R,), i32),
                      ("num_unaligned_recv_tokens_per_expert", (num_local,), i32),
                      ("psum_num_recv_tokens_per_expert", (num_local,), i32),
-                     ("slots", (num_tokens, K), i32)]
+                     ("dst_buffer_slot_idx", (num_tokens, K), i32)]
             if num_rows is not None:
                 parts.append(("recv_src_metadata", (num_rows, K + 2), i32))
             if idx_copy_dtype is not None:
@@ -235,7 +235,7 @@ class SymmetricBackend(Backend):
         hist = self.receive_scratch(num_local, stream)
         send = dispatch_kernels.send_phase(
             self.counts_scratch, self.pos_scratch, topk_idx, E, weights, rows, layout,
-            block.arg("slots"), block.arg("topk_idx") if copy else None)
+            block.arg("dst_buffer_slot_idx"), block.arg("topk_idx") if copy else None)
         counts_list = None
         if num_rows is None:
             # Send and count in one launch, size the outputs on the host, then receive.
@@ -245,7 +245,7 @@ class SymmetricBackend(Backend):
                 dispatch_kernels.receive_phase(
                     hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
                     zero_padding=False, tail=False, idx_out=None, weights_out=None,
-                    metadata=block.arg("slots"), rows_out=[],
+                    metadata=block.arg("dst_buffer_slot_idx"), rows_out=[],
                     **self._receive_parts(request, block))))
             num_rows = block["psum_num_recv_tokens_per_scaleup_rank"][-1].item()  # the host sync
             self._raise_on_timeout("dispatch")
@@ -323,7 +323,7 @@ class SymmetricBackend(Backend):
                     do_expand=request.do_expand, do_cpu_sync=request.do_cpu_sync,
                     num_recv_tokens=num_rows, num_expanded_tokens=num_expanded,
                     buffer_id=self.config.buffer_id, num_tokens=request.topk_idx.shape[0],
-                    hidden=self.hidden)
+                    hidden=self.hidden, num_sms=self._num_sms)
 
     def _prepare(self, request: DispatchRequest) -> Optional[DispatchPlan]:
         """The prepared call of this sync-free call's shape: the launch's arguments built by
@@ -358,7 +358,8 @@ class SymmetricBackend(Backend):
         hist = stand_in(self.receive_scratch(num_local, request.stream).shape)
         send = dispatch_kernels.send_phase(
             self.counts_scratch, self.pos_scratch, idx_slot, request.num_experts, weights_slot,
-            row_slots, layout, block.arg("slots"), block.arg("topk_idx") if copy else None)
+            row_slots, layout, block.arg("dst_buffer_slot_idx"),
+            block.arg("topk_idx") if copy else None)
         fields = self._receive_arguments(request, layout, block, send, hist, num_rows,
                                          num_expanded, recv_rows, recv_weights, local_idx,
                                          do_send=True)
@@ -402,8 +403,8 @@ class SymmetricBackend(Backend):
         return combine_kernels.arguments(
             self.combine_stage, self.combine_layout, self.sync,
             block.arg("psum_num_recv_tokens_per_scaleup_rank"), metadata, x, weights,
-            handle.do_expand, block.arg("slots"), biases, out, weights_out, self.flags,
-            self.timeout)
+            handle.do_expand, block.arg("dst_buffer_slot_idx"), biases, out, weights_out,
+            self.flags, self.timeout)
 
     def _prepare_combine(self, block: TensorBlock, handle: EPHandle, x: torch.Tensor,
                          weights: Optional[torch.Tensor], biases, variant) -> CombinePlan:
