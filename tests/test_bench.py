@@ -112,7 +112,7 @@ def test_peer_table_lists_baselines_and_why_one_did_not_run():
 
 
 def test_multi_gpu_matrix_script_runs_on_cpu_ranks():
-    """`scripts/gpu_multi.py` (issue 5's matrix run, one process per GPU) has a CPU mode, so its
+    """`scripts/gpu_multi.py` (the matrix run, one process per GPU) has a CPU mode, so its
     plumbing is checked here before it meets a machine with several GPUs."""
     cmd = [sys.executable, str(Path(SRC).parent / "scripts" / "gpu_multi.py"), "--cpu",
            "--ranks", "2", "--tokens", "8", "--hidden", "64", "--topk", "2", "--experts", "8",
