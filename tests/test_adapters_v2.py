@@ -21,7 +21,8 @@ import epcomm
 from epcomm.fp8 import per_token_cast_back, per_token_cast_to_fp8
 from epcomm.testing.launch import run_seeded
 from epcomm.testing.reference import reference_combine, reference_dispatch
-from epcomm.testing.verify import Case, assert_equal, check_dispatch_outputs
+from epcomm.testing.verify import (Case, assert_equal, assert_tma_aligned_col_major,
+                                   check_dispatch_outputs)
 
 SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))
 
@@ -46,13 +47,10 @@ def _cpu(value):
 
 def _check_dispatch(outputs, num_topk: int, ref, **case) -> None:
     """`verify.check_dispatch_outputs` of `outputs` (recv_x, recv_topk_idx, recv_topk_weights,
-    handle) against the reference dispatch `ref`; `case`: the `Case` fields of the call. (FP8
-    scales are compared as a contiguous copy: column-major ones too.)"""
+    handle) against the reference dispatch `ref`; `case`: the `Case` fields of the call (FP8
+    scales as returned, column-major ones too)."""
     view = type("View", (), dict(num_ranks=dist.get_world_size(), num_topk=num_topk))()
-    recv_x = outputs[0]
-    if isinstance(recv_x, tuple):
-        recv_x = tuple(part.contiguous() for part in recv_x)
-    check_dispatch_outputs(view, Case(**case), (recv_x, *outputs[1:]), ref)
+    check_dispatch_outputs(view, Case(**case), outputs, ref)
 
 
 # ------------------------------------------------------------------ DeepEP's V2 test
@@ -213,8 +211,8 @@ def run_deepep_test(device: str, seed: int, num_tokens_max: int = 12, hidden: in
                              expanded_handle), num_topk, ref_expand, do_expand=True,
                             do_zero_padding=True, **case)
             if use_fp8_dispatch:  # TMA-aligned column-major scales
-                scales = expanded_recv_x[1]
-                assert scales.stride() == (1, -(-scales.shape[0] // 4) * 4)
+                assert_tma_aligned_col_major("expanded scales", expanded_recv_x[1])
+                assert_tma_aligned_col_major("cached expanded scales", cached_expanded_recv_x[1])
 
             # Combine inputs from the source token's global index, as DeepEP's test builds them.
             src_token_global_idx = handle.recv_src_metadata[:num_recv_tokens, 0]
@@ -832,7 +830,8 @@ def run_sglang(device: str, seed: int) -> int:
                             fp8=use_fp8)
             if use_expand_layout:
                 if recv_hidden_states_scale is not None:
-                    assert recv_hidden_states_scale.stride(0) == 1  # column-major
+                    assert_tma_aligned_col_major("recv_hidden_states_scale",
+                                                 recv_hidden_states_scale)
                 # one row per local expert slot, weights applied before combine
                 local = torch.zeros(recv_hidden_states.shape[0], dtype=torch.int64,
                                     device=recv_hidden_states.device)

@@ -22,7 +22,8 @@ from epcomm import ElasticBuffer, EPHandle, EventHandle, EventOverlap
 from epcomm.fp8 import per_token_cast_to_fp8
 from epcomm.testing.launch import capture_graph, run_seeded
 from epcomm.testing.reference import reference_combine, reference_dispatch
-from epcomm.testing.verify import (Case, assert_equal, bitwise_equal, check_combine,
+from epcomm.testing.verify import (Case, assert_equal, assert_tma_aligned_col_major,
+                                   bitwise_equal, check_combine,
                                    check_dispatch_outputs, ignored_rows, make_routing,
                                    run_cases, specified_rows)
 
@@ -99,7 +100,11 @@ def run_surface(seed: int) -> int:
     assert epcomm.topk_idx_t is torch.int64
     buffer.barrier(use_comm_stream=True, with_cpu_sync=True, sequential=False)
     buffer.barrier()
-    assert isinstance(buffer.capture(), EventOverlap) and buffer.capture().event is None
+    captured = buffer.capture()
+    if torch.cuda.is_available():  # DeepEP's type: a bare EventHandle
+        assert type(captured) is EventHandle
+    else:
+        assert type(captured) is EventOverlap and captured.event is None
 
     # Every dispatch and combine argument, by name (CPU: the events are empty, num_sms is 1).
     x, idx, w = _inputs(buffer, 4 * R, seed)
@@ -448,6 +453,7 @@ def _stats_and_scales(buffer, x, idx, w, ref) -> int:
         scales = tma[0][1]
         rows = scales.shape[0]
         assert scales.shape == plain[0][1].shape and scales.stride() == (1, -(-rows // 4) * 4)
+        assert_tma_aligned_col_major("column-major scales", scales)
         keep = specified_rows(plain[3], zero_padding=False)  # (gaps and tail: unspecified)
         assert_equal("column-major scales", scales[keep], plain[0][1][keep], check_dtype=True)
         _check_dispatch(K, Case(num_experts=E, do_expand=True, do_cpu_sync=sync, fp8=True),
@@ -516,11 +522,11 @@ def test_calls_match_reference_cuda(backend: str):
 
 def run_single_reduction(device: str, backend: str, seed: int, quick: bool = False) -> int:
     """`allow_multiple_reduction=False`: an expand-layout combine sums every slot's row on the
-    source in slot order in fp32 and rounds once. Checked (1) against the reference where no
-    token has two slots on one rank (then both modes are one reduction), (2) against an
-    independent sum of all-gathered (source token, slot, row) triples with two slots on one
-    rank, where it differs from the multiple-reduction result; the compact layout and the
-    weights are unchanged."""
+    source in slot order in fp32 and rounds once. Checked against
+    `reference_combine(..., single_reduction=True)` everywhere, and (1) also against the
+    default reference where no token has two slots on one rank (then both modes are one
+    reduction), (2) with two slots on one rank, where it differs from the multiple-reduction
+    result; the compact layout and the weights are unchanged."""
     group, R = dist.group.WORLD, dist.get_world_size()
     E = 4 * R
     kwargs = dict(num_max_tokens_per_rank=M, hidden=H, num_topk=K, backend=backend,
@@ -569,7 +575,11 @@ def run_single_reduction(device: str, backend: str, seed: int, quick: bool = Fal
                                          bias=biases or None)
         assert_equal("combined_topk_weights (single reduction)", got_w, want_w)
         assert_equal("combined_x (multiple reduction)", got_multi, want)
-        expected = _single_reduction_sum(y, ref, idx.cpu(), biases, E)
+        expected, expected_w = reference_combine(
+            y[:ref.expand_valid.shape[0]], ref, idx.cpu(), E, group,
+            topk_weights=yw[:ref.expand_valid.shape[0]], bias=biases or None,
+            single_reduction=True)
+        assert_equal("combined_topk_weights (reference, single reduction)", expected_w, want_w)
         assert_equal(f"combined_x (single reduction) {routing}", got, expected,
                      check_dtype=True)
         if routing == "balanced":
@@ -586,37 +596,6 @@ def run_single_reduction(device: str, backend: str, seed: int, quick: bool = Fal
     dist.all_reduce(total)
     assert int(total) > 0, "with two slots on one rank the two modes should differ somewhere"
     return 1 if quick else 4
-
-
-def _single_reduction_sum(y: torch.Tensor, ref, topk_idx: torch.Tensor, biases,
-                          num_experts: int, max_tokens: int = M) -> torch.Tensor:
-    """The single-reduction result, computed apart from the library: every rank all-gathers
-    its (source token, slot, row) triples of `ref` (the expand rows of `y`); each source sums
-    `0.0 + biases`, then its tokens' rows in slot order, in fp32, and rounds once."""
-    R, rank = dist.get_world_size(), dist.get_rank()
-    M_ = max_tokens
-    pairs = []
-    for n in range(ref.src_token.shape[0]):
-        for j in range(topk_idx.shape[1]):
-            row = int(ref.expand_rows[n, j])
-            if row >= 0:
-                pairs.append((int(ref.src_token[n]), j, y[row].float().cpu()))
-    gathered = [None] * R
-    dist.all_gather_object(gathered, pairs)
-    num_tokens = topk_idx.shape[0]
-    rows = torch.zeros(num_tokens, topk_idx.shape[1], y.shape[1])
-    present = torch.zeros(num_tokens, topk_idx.shape[1], dtype=torch.bool)
-    for part in gathered:
-        for src, j, value in part:
-            if src // M_ == rank:
-                rows[src % M_, j], present[src % M_, j] = value, True
-    assert_equal("slots that came back", present, topk_idx >= 0)
-    acc = torch.zeros(num_tokens, y.shape[1])
-    for bias in biases:
-        acc = acc + bias.float()
-    for j in range(topk_idx.shape[1]):
-        acc = torch.where(present[:, j, None], acc + rows[:, j], acc)
-    return acc.to(torch.bfloat16)
 
 
 def test_single_reduction_combine():
@@ -668,13 +647,44 @@ def test_event_overlap_semantics():
         assert ElasticBuffer.capture().event is None
 
 
+def test_capture_type(monkeypatch):
+    """`ElasticBuffer.capture()` returns what DeepEP's does: a bare `EventHandle` recorded on
+    the current stream (CUDA simulated here: `is_available` and the event class patched, as a
+    CPU-only torch cannot make a CUDA event), which `previous_event` takes; without CUDA an
+    empty `EventOverlap`. `Buffer.capture()` (DeepEP's legacy one) stays an `EventOverlap`."""
+    import epcomm.elastic as elastic_module
+    from epcomm.events import as_event_overlap
+
+    assert type(ElasticBuffer.capture()) is (EventHandle if torch.cuda.is_available()
+                                              else EventOverlap)
+    recorded = []
+
+    class FakeHandle:
+        def record(self, stream=None):
+            recorded.append(stream)
+
+    monkeypatch.setattr(elastic_module.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(elastic_module, "EventHandle", FakeHandle)
+    event = ElasticBuffer.capture()
+    assert type(event) is FakeHandle and recorded == [None]  # the current stream
+    assert ElasticBuffer.capture() is not event and len(recorded) == 2  # a fresh one per call
+    monkeypatch.undo()
+    with pytest.raises(TypeError, match="previous_event"):
+        as_event_overlap("previous_event", "not an event")
+    assert as_event_overlap("previous_event", None) is None
+
+
 @_NO_CUDA
 def test_event_handle_cuda():
-    """On CUDA, `EventOverlap.event` is an `EventHandle` (DeepEP's event handle, with
-    `current_stream_wait()`), and `previous_event` takes it as well as the `EventOverlap`."""
+    """On CUDA, `ElasticBuffer.capture()` is a bare `EventHandle` (DeepEP's event handle, with
+    `current_stream_wait()`); `previous_event` takes it (as an `EventOverlap`), and
+    `EventOverlap.event` is one too."""
     event = ElasticBuffer.capture()
-    assert isinstance(event.event, EventHandle)
-    event.event.current_stream_wait()
+    assert type(event) is EventHandle
+    event.current_stream_wait()
+    wrapped = epcomm.events.as_event_overlap("previous_event", event)
+    assert type(wrapped) is EventOverlap and wrapped.event is event
+    wrapped.current_stream_wait()
     torch.cuda.synchronize()
 
 
@@ -725,10 +735,10 @@ def run_cuda_sync_free(backend: str, seed: int) -> int:
     for out, cached, cached_sync, combined in results:
         case = Case(num_experts=E, do_expand=True, do_cpu_sync=False, expert_alignment=4,
                     fp8=True)
-        fp8_out = ((out[0][0], out[0][1].contiguous()), *out[1:4])
-        _check_dispatch(K_, case, fp8_out, ref)
-        assert out[0][1].stride()[0] == 1
-        _check_dispatch(K_, case, ((cached[0][0], cached[0][1].contiguous()), *cached[1:4]), ref)
+        _check_dispatch(K_, case, out[:4], ref)
+        assert_tma_aligned_col_major("scales", out[0][1])
+        _check_dispatch(K_, case, cached[:4], ref)
+        assert_tma_aligned_col_major("cached scales", cached[0][1])
         assert cached_sync[3] is sync_handle and \
             cached_sync[0].shape[0] == sync_handle.num_expanded_tokens
     assert_equal("stats", stats, 3 * ref.num_recv_tokens_per_expert.to(torch.int32))
@@ -756,7 +766,7 @@ def run_cuda_sync_free(backend: str, seed: int) -> int:
         ref = reference_dispatch(new_x, new_idx, new_w, E, M_, group, 4, True)
         n_e = ref.expand_valid.numel()
         y = (recv_x[:n_e].float() * 2).to(torch.bfloat16)
-        expected = _single_reduction_sum(y.cpu(), ref, new_idx.cpu(), (), E, M_)
+        expected, _ = reference_combine(y, ref, new_idx, E, group, single_reduction=True)
         assert_equal(f"replay {routing}: combined_x", combined, expected)
         _, want_w = reference_combine(y, ref, new_idx, E, group,
                                       topk_weights=ref.recv_topk_weights)

@@ -221,6 +221,43 @@ def test_one_rank_combine_of_dispatch():
     _spawn(_one_rank, 1)
 
 
+def _single_reduction_hand(rank, world_size, group):
+    # One rank, E = 2, one token with slots [0, 1] (both on rank 0): expand rows 0 (slot 0)
+    # and 1 (slot 1). Column 0: bias -BIG, rows BIG then 1; column 1: bias 1, rows 2^-8, 2^-8.
+    x = torch.zeros(1, 2, dtype=bf16)
+    idx = torch.tensor([[0, 1]], dtype=i64)
+    w = torch.tensor([[0.25, 0.5]], dtype=f32)
+    d = reference_dispatch(x, idx, w, num_experts=2, num_max_tokens_per_rank=1, group=group,
+                           do_expand=True)
+    assert_equal("expand rows", d.expand_rows, torch.tensor([[0, 1]]), check_dtype=True)
+    y = torch.tensor([[BIG, 2.0 ** -8], [1.0, 2.0 ** -8]], dtype=bf16)
+    bias = torch.tensor([[-BIG, 1.0]], dtype=bf16)
+    cx, cw = reference_combine(y, d, idx, 2, group, topk_weights=d.recv_topk_weights,
+                               bias=bias, single_reduction=True)
+    # fp32 (0 + bias) + row 0 + row 1, one rounding at the end: -BIG + BIG + 1 = 1 (slot
+    # order: 1 first would vanish into -BIG); 1 + 2^-8 + 2^-8 = 1 + 2^-7 (bf16 rounding after
+    # each add would give 1).
+    assert_equal("single reduction", cx, torch.tensor([[1.0, 1.0 + 2.0 ** -7]], dtype=bf16),
+                 check_dtype=True)
+    assert_equal("single reduction weights", cw, w, check_dtype=True)
+    # The default reduces on the receiver first: bf16(BIG + 1) = BIG, so column 0 is 0.
+    cx, cw = reference_combine(y, d, idx, 2, group, topk_weights=d.recv_topk_weights,
+                               bias=bias)
+    assert_equal("multiple reduction", cx, torch.tensor([[0.0, 1.0 + 2.0 ** -7]], dtype=bf16),
+                 check_dtype=True)
+    assert_equal("multiple reduction weights", cw, w, check_dtype=True)
+    # Compact layout: the option changes nothing.
+    dc = reference_dispatch(x, idx, w, num_experts=2, num_max_tokens_per_rank=1, group=group)
+    yc = y[:1]
+    assert_equal("compact, single_reduction ignored",
+                 reference_combine(yc, dc, idx, 2, group, bias=bias, single_reduction=True)[0],
+                 reference_combine(yc, dc, idx, 2, group, bias=bias)[0], check_dtype=True)
+
+
+def test_single_reduction_hand_example():
+    _spawn(_single_reduction_hand, 1)
+
+
 # ----------------------------------------------------------------------------- FP8 bytes
 
 FP8_T = [5, 0, 3]  # tokens per rank (rank 1 has none)

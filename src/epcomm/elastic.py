@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .buffer import Buffer
 from .checks import check_flag, check_int
-from .events import EventOverlap
+from .events import EventHandle, EventOverlap
 from .handle import EPHandle
 from .streams import comm_stream
 
@@ -356,10 +356,21 @@ class ElasticBuffer:
         return comm_stream(self.device)
 
     @staticmethod
-    def capture() -> EventOverlap:
-        """An event recorded on the current CUDA stream (an empty one without CUDA): what
-        `previous_event` and `previous_event_before_epilogue` take."""
-        return Buffer.capture()
+    def capture() -> Union[EventHandle, EventOverlap]:
+        """An event recorded on the current CUDA stream, for `previous_event` and
+        `previous_event_before_epilogue` (which take an `EventHandle` as well as an
+        `EventOverlap`).
+
+        With CUDA: a bare `EventHandle`, as DeepEP's `ElasticBuffer.capture()` returns (it
+        has `current_stream_wait()`, `wait()`, `synchronize()`; it has no `.event` and no
+        hooks). Without CUDA (a CPU-only torch): an empty `EventOverlap` (`.event` is None), since
+        no CUDA event can be made; waiting on it does nothing.
+        (`Buffer.capture()`, DeepEP's legacy one, returns an `EventOverlap` either way.)"""
+        if not torch.cuda.is_available():
+            return EventOverlap()
+        event = EventHandle()
+        event.record()
+        return event
 
     def barrier(self, use_comm_stream: bool = True, with_cpu_sync: bool = False,
                 sequential: bool = True) -> None:

@@ -249,7 +249,8 @@ def reference_dispatch(x, topk_idx: Tensor, topk_weights: Optional[Tensor], num_
 
 def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor,
                       num_experts: int, group, topk_weights: Optional[Tensor] = None,
-                      bias=None) -> Tuple[Tensor, Optional[Tensor]]:
+                      bias=None, single_reduction: bool = False
+                      ) -> Tuple[Tensor, Optional[Tensor]]:
     """Combine per ``docs/semantics.md``; collective over ``group``.
 
     ``x``: bf16, the rows of ``dispatched``'s output (``[N, H]`` compact, ``[N_e, H]`` expand;
@@ -257,6 +258,10 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
     (expand mode iff ``dispatched.recv_topk_idx is None``). ``topk_idx``: the ``[T, K]`` ids this
     rank dispatched with. ``topk_weights``: ``[N, K]`` (compact) or ``[N_e]`` (expand) fp32, or
     None. ``bias``: None, a ``[T, H]`` bf16 tensor, or a tuple of 1 or 2 of them.
+    ``single_reduction``: expand mode only (no effect on compact, which reduces once anyway):
+    the ``allow_multiple_reduction=False`` combine, which sends every slot's expand row back and
+    sums ``0.0 + biases`` then the rows of slots ``j = 0..K-1`` on the source in fp32, rounding
+    to bf16 once; the default is steps 1 + 2 (multiple reduction).
 
     Returns ``(combined_x [T, H] bf16, combined_topk_weights [T, K] fp32 or None)``.
     """
@@ -284,8 +289,20 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
                               for b in biases):
         raise ValueError(f"bias must be None or 1-2 tensors [{num_tokens}, {hidden}] bfloat16")
 
-    # --- receiver, step 1: one bf16 row (and a [K] weights row) per compact row.
-    if expand:
+    single = expand and bool(single_reduction)
+    # --- receiver, step 1: one bf16 row (and a [K] weights row) per compact row; with a
+    # single reduction, one bf16 row per compact row and slot instead (slot_y[j], bytes as x).
+    slot_y = []
+    if single:
+        w_back = torch.zeros((num_rows, num_topk), dtype=torch.float32, device=device)
+        for j in range(num_topk):
+            has = d.expand_rows[:, j] >= 0
+            rows = d.expand_rows[has, j]
+            slot_y.append(_scatter_rows(x, rows, torch.nonzero(has).flatten(), num_rows))
+            if topk_weights is not None:
+                w_back[has, j] = topk_weights[rows]
+        y = None
+    elif expand:
         acc = torch.zeros((num_rows, hidden), dtype=torch.float32, device=device)
         w_back = torch.zeros((num_rows, num_topk), dtype=torch.float32, device=device)
         for j in range(num_topk):
@@ -303,7 +320,10 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
     send_counts = [int(c) for c in d.num_recv_tokens_per_rank.tolist()]
     rows_from = [torch.nonzero((slot_rank == r).any(dim=1)).flatten() for r in range(num_ranks)]
     recv_counts = [int(rows.numel()) for rows in rows_from]
-    y_back = _all_to_all_rows(y, None, send_counts, recv_counts, group)
+    if single:
+        slot_back = [_all_to_all_rows(t, None, send_counts, recv_counts, group) for t in slot_y]
+    else:
+        y_back = _all_to_all_rows(y, None, send_counts, recv_counts, group)
     w_from = (_all_to_all_rows(w_back, None, send_counts, recv_counts, group)
               if topk_weights is not None else None)
 
@@ -315,11 +335,16 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
         row_on.append(m)
         offset += recv_counts[r]
 
-    # --- source, step 2: fp32 from 0, biases in order, then ranks at each token's last slot.
+    # --- source, step 2: fp32 from 0, biases in order, then ranks at each token's last slot
+    # (single reduction: then every valid slot's own row, in slot order).
     acc = torch.zeros((num_tokens, hidden), dtype=torch.float32, device=device)
     for b in biases:
         acc = acc + b.float()
-    for j in range(num_topk):
+    for j in range(num_topk if single else 0):
+        for r in range(num_ranks):
+            tokens = torch.nonzero(slot_rank[:, j] == r).flatten()
+            acc[tokens] = acc[tokens] + slot_back[j][row_on[r][tokens]].float()
+    for j in range(0 if single else num_topk):
         later = slot_rank[:, j + 1:]
         for r in range(num_ranks):
             is_last = (slot_rank[:, j] == r) & ~(later == r).any(dim=1)

@@ -93,6 +93,22 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
         {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[size]).cpu()
 
 
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor of any layout (a column-major or otherwise non-contiguous view
+    too), as a flat uint8 tensor of a contiguous copy, in row-major element order."""
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_tma_aligned_col_major(name: str, scales: torch.Tensor) -> None:
+    """`scales` [N, S] has the layout of DeepEP's `use_tma_aligned_col_major_sf=True`: column
+    major, strides (1, align(N, 16 bytes / element size)) (a 16-byte aligned column stride)."""
+    rows = scales.shape[0]
+    per_line = 16 // scales.element_size()
+    want = (1, -(-rows // per_line) * per_line)
+    assert scales.dim() == 2 and scales.stride() == want, \
+        f"{name}: strides {scales.stride()} (shape {tuple(scales.shape)}), want {want}"
+
+
 def bitwise_equal(got: torch.Tensor, want: torch.Tensor) -> bool:
     """Whether `got` and `want` have the same shape, the same element size and the same bits
     (no dtype cast: compare bf16 with bf16). The one tensor comparison of `assert_equal`; use it
@@ -331,7 +347,7 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
                          check_dtype=True)
             if case.do_zero_padding:
                 assert_equal(f"recv_x[{index}] with zero padding", got[:n_e], want)
-                assert_filled(f"recv_x[{index}] tail bytes (zero padding)", got[n_e:].view(torch.uint8), 0)
+                assert_filled(f"recv_x[{index}] tail bytes (zero padding)", _bytes(got[n_e:]), 0)
         if ref.recv_topk_weights is not None:
             assert recv_w.shape == (cap,), f"recv_topk_weights shape {tuple(recv_w.shape)}"
             assert_equal("recv_topk_weights (expand)", recv_w[:n_e], ref.recv_topk_weights,
@@ -344,7 +360,7 @@ def check_dispatch_outputs(buffer, case: Case, outputs, ref: ReferenceDispatch) 
             assert got.shape[0] == rows, f"recv_x[{index}] has {got.shape[0]} rows, want {rows}"
             assert_equal(f"recv_x[{index}]", got[:n], want, check_dtype=True)
             if case.do_zero_padding:
-                assert_filled(f"recv_x[{index}] tail bytes (zero padding)", got[n:].view(torch.uint8), 0)
+                assert_filled(f"recv_x[{index}] tail bytes (zero padding)", _bytes(got[n:]), 0)
         assert recv_idx is not None, "compact layout returns recv_topk_idx"
         assert_equal("recv_topk_idx", recv_idx[:n], ref.recv_topk_idx)
         assert_filled("recv_topk_idx past the valid prefix", recv_idx[n:], -1)
@@ -455,7 +471,7 @@ def describe(case: Case) -> str:
 
 __all__ = ["Case", "ROUTINGS", "make_routing", "make_inputs", "check_round_trip",
            "run_reference_dispatch", "check_dispatch_outputs", "ignored_rows", "check_combine",
-           "assert_equal", "bitwise_equal", "assert_filled", "handle_fields", "assert_fields_equal",
+           "assert_equal", "bitwise_equal", "assert_filled", "assert_tma_aligned_col_major", "handle_fields", "assert_fields_equal",
            "specified_rows", "assert_same_dispatch", "describe", "align_up", "in_memory_form",
            "memory_form_cases", "run_cases"]
 
