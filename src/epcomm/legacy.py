@@ -92,7 +92,7 @@ import torch.distributed as dist
 
 from .buffer import Buffer as _EPBuffer
 from .elastic import topk_idx_t
-from .events import EventOverlap
+from .events import EventHandle, EventOverlap
 from .fp8 import num_scales
 from .handle import EPHandle
 
@@ -374,12 +374,6 @@ def _cuda_event(previous_event) -> Optional["torch.cuda.Event"]:
     return getattr(previous_event, "event", None)
 
 
-def _new_event() -> "torch.cuda.Event":
-    """A CUDA event of the kind `EventOverlap.event` holds."""
-    from . import events
-    return getattr(events, "EventHandle", torch.cuda.Event)()
-
-
 def _fit_rows(tensor: torch.Tensor, rows: int, fill=None) -> torch.Tensor:
     """`tensor` with exactly `rows` rows: its first rows (a view), or a copy padded with
     `fill` (0 as bytes for any dtype; None: left unset)."""
@@ -453,7 +447,7 @@ class _Calls:
         """The `previous_event` for the epcomm call (after `before()` work)."""
         if not self.on_comm:
             return None
-        event = _new_event()
+        event = EventHandle()
         event.record(self.comm)
         return EventOverlap(event)
 
@@ -480,7 +474,7 @@ class _Calls:
                 tensor.record_stream(self.compute)
         if not self.async_finish:
             return EventOverlap()
-        done = _new_event()
+        done = EventHandle()
         done.record(self.comm)
         return EventOverlap(done, extra_tensors=event.extra_tensors)
 
@@ -738,7 +732,7 @@ class Buffer:
                 if not torch.cuda.is_current_stream_capturing():
                     for tensor in calls.made:
                         tensor.record_stream(calls.compute)
-                event = EventOverlap(_new_event())
+                event = EventOverlap(EventHandle())
                 event.event.record(calls.comm)
             elif async_finish:
                 event = _EPBuffer.capture()
