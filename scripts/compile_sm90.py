@@ -50,8 +50,7 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
 
 def _constants(fn, shape) -> tuple[dict, int]:
     K, R, block_w, block_h, vec, vec_h = shape
-    base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R),
-                USE_TIMER=True)
+    base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R))
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
             TILE["combine_warps"]

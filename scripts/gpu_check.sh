@@ -10,10 +10,17 @@
 #   cuda-tests the kernel examples on the GPU, then the CUDA pytest targets (sync-free, graph
 #              capture, matrix on 2 ranks, stream options, inputs dropped early, strided and
 #              unaligned inputs)
-#   bench      python -m epcomm bench (4 ranks sharing the GPU)
+#   adapters   the CUDA cases of the DeepEP drop-in tests (ElasticBuffer, V1 Buffer, adapters)
+#   low-latency  V1's low-latency mode: its CUDA tests, then scripts/gpu_low_latency.py (2, 4 and
+#              8 processes against the reference, then the EP=1 timing table)
+#   compile    tests/test_compile.py on CUDA (Inductor, CUDA graphs of the compiled layer)
+#   faults     scripts/gpu_faults.py: mismatched calls, NaN, timeouts, out of step on the GPU
+#   collective scripts/gpu_collective.py: the collective backend over NCCL at EP=1 (bitwise,
+#              sync-debug, graph replay, time against its floor)
+#   bench      python -m epcomm bench (4 ranks sharing the GPU, then every path at EP=1)
 # A summary table is printed last; logs and JSON go to $OUT (or /tmp).
 set -uo pipefail
-export PYTHONPATH=src
+export PYTHONPATH=src:scripts
 out=${OUT:-/tmp}
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 source "$(dirname "$0")/steps.sh"
@@ -25,5 +32,15 @@ source "$(dirname "$0")/steps.sh"
   'python3 -m pytest -q -x tests/test_kernels.py && python3 -m pytest -q -x \
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
    -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped or aligned)"'
+[[ " ${SKIP:-} " == *" adapters "* ]] || step adapters "${ADAPTERS_S:-150}" python3 -m pytest -q -x \
+  -k cuda tests/test_elastic.py tests/test_adapters_v1.py tests/test_adapters_v2.py \
+  tests/test_legacy.py tests/test_deep_ep.py
+[[ " ${SKIP:-} " == *" low-latency "* ]] || step low-latency "${LOW_LATENCY_S:-240}" bash -c \
+  'python3 -m pytest -q -x -k cuda tests/test_low_latency.py && python3 scripts/gpu_low_latency.py'
+[[ " ${SKIP:-} " == *" compile "* ]] || step compile "${COMPILE_S:-200}" \
+  python3 -m pytest -q -x -rs tests/test_compile.py
+[[ " ${SKIP:-} " == *" faults "* ]] || step faults "${FAULTS_S:-120}" python3 scripts/gpu_faults.py --ranks 2 4
+[[ " ${SKIP:-} " == *" collective "* ]] || step collective "${COLLECTIVE_S:-150}" \
+  python3 scripts/gpu_collective.py --tokens 128 4096
 [[ " ${SKIP:-} " == *" bench "* ]] || step bench "${BENCH_S:-150}" python3 -m epcomm bench --json "$out/bench.json" --no-progress
 print_summary

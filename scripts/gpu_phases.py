@@ -146,7 +146,7 @@ def check_marks() -> str:
                                        for i, name in enumerate(MARKS)])
 
 
-def phases(tokens, hidden, topk, experts, expand):
+def phases(tokens, hidden, topk, experts, expand, num_sms):
     from epcomm import Buffer
     from epcomm.kernels import dispatch
 
@@ -155,7 +155,8 @@ def phases(tokens, hidden, topk, experts, expand):
     trace = torch.zeros(programs * SLOTS, dtype=torch.int64, device=device)
     dispatch.dispatch_kernel = traced_module(trace).dispatch_kernel
     x, idx, w = example_data(tokens, hidden, topk, experts, device)
-    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric", num_sms=num_sms)
+    programs = buffer.num_sms  # the programs of each launch
     results = []
     for _ in range(5):
         out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False,
@@ -169,7 +170,7 @@ def phases(tokens, hidden, topk, experts, expand):
         buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False, do_expand=expand)
         end.record()
         torch.cuda.synchronize()
-        results.append((trace.view(programs, SLOTS)[:, :len(MARKS)].tolist(),
+        results.append((trace[:programs * SLOTS].view(programs, SLOTS)[:, :len(MARKS)].tolist(),
                         start.elapsed_time(end) * 1e3))
     buffer.destroy()
     return programs, results
@@ -178,6 +179,7 @@ def phases(tokens, hidden, topk, experts, expand):
 def main():
     parser = shape_parser()
     parser.add_argument("--expand", action="store_true")
+    parser.add_argument("--num-sms", type=int, default=None, help="programs (default: the backend's)")
     parser.add_argument("--check-marks", action="store_true",
                         help="only check that the dispatch source has every phase mark")
     args = parser.parse_args()
@@ -188,7 +190,8 @@ def main():
     if args.check_marks:
         return
     programs, results = run_local_ranks(phases, 1, args.tokens, args.hidden, args.topk,
-                                        args.experts, args.expand, timeout_s=600)[0]
+                                        args.experts, args.expand, args.num_sms,
+                                        timeout_s=600)[0]
     trace, elapsed = results[len(results) // 2]
     trace = torch.tensor(trace)
     zero = trace[:, 0].min()

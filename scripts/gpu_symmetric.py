@@ -223,21 +223,23 @@ def profile_calls(tokens, hidden, topk, experts):
     print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=8))
     import cProfile
     import pstats
-    profiler = cProfile.Profile()
-    for _ in range(10):
+    for sync in (False, True):
+        profiler = cProfile.Profile()
+        for _ in range(10):
+            torch.cuda.synchronize()
+            profiler.enable()
+            out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=sync)
+            profiler.disable()
         torch.cuda.synchronize()
-        profiler.enable()
-        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
-        profiler.disable()
-    torch.cuda.synchronize()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(14)
+        print(f"host profile of 10 dispatches, do_cpu_sync={sync}")
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(14 if sync else 8)
 
 
-def bench(tokens, hidden, topk, experts):
+def bench(tokens, hidden, topk, experts, num_sms=None):
     """EP=1 figures (runs in a one-rank group)."""
     from epcomm import Buffer
     device = torch.device("cuda", torch.cuda.current_device())
-    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric", num_sms=num_sms)
     x, idx, w = _data(0, tokens, hidden, topk, experts, False, 7, device)
     nbytes = x.numel() * x.element_size()
     copy_out = torch.empty_like(x)
@@ -263,22 +265,29 @@ def bench(tokens, hidden, topk, experts):
             out = state["out"]
             buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
 
+        def dispatch_sync():
+            buffer.dispatch(x, idx, w, num_experts=experts, do_expand=expand, do_cpu_sync=True)
+
         name = "expand" if expand else "compact"
-        for what, fn in ((f"dispatch {name} (sync-free)", dispatch), (f"combine {name}", combine)):
+        for what, fn in ((f"dispatch {name} (sync-free)", dispatch), (f"combine {name}", combine),
+                         (f"dispatch {name} (do_cpu_sync)", dispatch_sync)):
             t_call, host = _cuda_time(fn, 20)
             launches, t_kernel = _kernels(fn)
             rows.append((what, t_call, t_kernel, nbytes, moved / 2 * t_copy / t_kernel, launches,
                          host))
-    graph = torch.cuda.CUDAGraph()
-    out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
-    with torch.cuda.graph(graph):
-        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False)
-        buffer.combine(out[0], out[3], topk_weights=out[2])
-    # Replays back to back are GPU-bound (about 11 us of host time each): their time is the
-    # kernels' time.
-    t_g, host_g = _cuda_time(graph.replay, 20)
-    rows.append(("graph replay dispatch+combine compact", t_g, t_g, nbytes, 4 * t_copy / t_g, 1,
-                 host_g))
+    for expand in (False, True):
+        graph = torch.cuda.CUDAGraph()
+        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False, do_expand=expand)
+        with torch.cuda.graph(graph):
+            out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False,
+                                  do_expand=expand)
+            buffer.combine(out[0], out[3], topk_weights=out[2])
+        # Replays back to back are GPU-bound (about 11 us of host time each): their time is the
+        # kernels' time.
+        t_g, host_g = _cuda_time(graph.replay, 20)
+        moved = 2 * (3 + pairs) if expand else 8
+        rows.append((f"graph replay dispatch+combine {'expand' if expand else 'compact'}", t_g,
+                     t_g, nbytes, moved / 2 * t_copy / t_g, 1, host_g))
     return rows, buffer.num_sms
 
 
@@ -290,6 +299,7 @@ def main():
     parser.add_argument("--topk", type=int, default=8)
     parser.add_argument("--experts", type=int, default=256)
     parser.add_argument("--no-bench", action="store_true")
+    parser.add_argument("--num-sms", type=int, default=None, help="programs (default: the backend's)")
     parser.add_argument("--profile", action="store_true", help="profiler tables of EP=1 calls")
     args = parser.parse_args()
     shape = (args.tokens, args.hidden, args.topk, args.experts)
@@ -302,7 +312,7 @@ def main():
         run_local_ranks(profile_calls, 1, *shape, timeout_s=600)
     if args.no_bench:
         return
-    rows, num_sms = run_local_ranks(bench, 1, *shape, timeout_s=600)[0]
+    rows, num_sms = run_local_ranks(bench, 1, *shape, args.num_sms, timeout_s=600)[0]
     from epcomm import Buffer
     heap = Buffer.get_buffer_size_hint(1, args.tokens, args.hidden, args.topk)
     dsv3 = Buffer.get_buffer_size_hint(8, 4096, 7168, 8)

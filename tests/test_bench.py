@@ -21,7 +21,7 @@ def test_bench_small_two_ranks(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "epcomm", "bench", "--ranks", "2", "--configs", "small",
            "--iters", "2", "--warmup", "1", "--json", str(out), "--timeout", "60",
-           "--deadline", "120"]
+           "--deadline", "120", "--paths", "--paths-tokens", "16"]
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
     assert "MISMATCH" not in proc.stdout, proc.stdout
@@ -47,6 +47,14 @@ def test_bench_small_two_ranks(tmp_path):
         assert sum(row["recv_rows_per_rank"]) > 0
     # the printed table has one line per row
     assert len(re.findall(r"^\| small +\| ", proc.stdout, re.M)) == 2 * len(rows)  # 2 tables
+    # The EP=1 paths (CPU: the collective backend over gloo) beside their baselines.
+    paths = {(row["what"], row["layout"]): row for row in report["paths"]}
+    for what in ("dispatch sync-free", "dispatch do_cpu_sync", "combine"):
+        for layout in ("compact", "expand"):
+            row = paths[(f"collective {what}", layout)]
+            assert row["tokens"] == 16 and row["us"] > 0 and row["floor_us"] > 0, row
+    assert {"copy x", "a2a x"} <= {what for what, _ in paths}
+    assert "| collective combine | 16 | expand |" in proc.stdout
 
 
 def test_cli_help_and_import_has_no_side_effects():
@@ -134,3 +142,20 @@ def test_peer_figures_without_a_bf16_case():
     _add_peer_figures(row, Case("dsv3", "compact", "fp8", False), bases, records)
     assert row["vdev2d_dispatch"]["us"] == 100.0 and "vdev2d_combine" not in row
     assert row["p2p"]["gbps"] > 0
+
+
+def test_plot_paths_draws_or_names_the_extra(tmp_path):
+    """`--plot` draws latency against tokens with matplotlib, or says which extra brings it."""
+    from epcomm.bench_paths import plot_paths
+    rows = [dict(what=what, tokens=tokens, layout=layout, us=us, floor_us=None, goal=None)
+            for what, layout, base in (("copy x", "", 1.0), ("collective combine", "compact", 9.0))
+            for tokens, us in ((16, base), (64, 3 * base))]
+    target = tmp_path / "paths.png"
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        with pytest.raises(RuntimeError, match=r"epcomm\[plot\]"):
+            plot_paths(rows, str(target))
+        return
+    plot_paths(rows, str(target))
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

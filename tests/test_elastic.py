@@ -723,7 +723,8 @@ def run_cuda_sync_free(backend: str, seed: int) -> int:
                 async_with_compute_stream=True, allocate_on_comm_stream=True, do_cpu_sync=False,
                 do_expand=True, use_tma_aligned_col_major_sf=True)
             out[4].current_stream_wait()
-            cached = buffer.dispatch(x8, topk_weights=w, handle=out[3], num_sms=num_sms)
+            cached = buffer.dispatch(x8, topk_weights=w, handle=out[3], num_sms=num_sms,
+                                     use_tma_aligned_col_major_sf=True)
             cached_sync = buffer.dispatch(x, topk_weights=w, handle=sync_handle)
             combined = buffer.combine(out[0][0].float().to(torch.bfloat16), out[3],
                                       topk_weights=out[2], num_sms=num_sms,

@@ -21,8 +21,8 @@ i32, i64, bf16 = torch.int32, torch.int64, torch.bfloat16
 S, K, H = 4, 2, 2
 REGION = 64  # bytes: the six int64 counters of one rank (dispatch), then the staging records
 SHAPE = KernelShape(num_ranks=1, num_topk=K, vec=1, block_w=16, rows=4, programs=1,
-                             num_warps=1, use_timer=not INTERPRET)
-TIMEOUT = timeout_units(10.0, INTERPRET)
+                             num_warps=1)
+TIMEOUT = timeout_units(10.0)
 # The variants `dispatch.variant` names for the examples' int64 ids: without idx_out (a send or
 # counting launch), and with an int64 idx_out (a full compact receive).
 SEND_VARIANT, FULL_VARIANT = (i64, i32), (i64, i64)
@@ -49,8 +49,10 @@ class OneRank:
                                 device=DEV)
 
     def counters(self, offset: int):
-        """(ready, free, count) of the counter array at byte `offset`."""
-        return self.heap.view(i64)[offset // 8: offset // 8 + 3].tolist()
+        """(ready, free, count) of the counter array at byte `offset` (the count without the
+        call's stamp in the word's high bits, `kernels.sync.stamp`)."""
+        ready, free, count = self.heap.view(i64)[offset // 8: offset // 8 + 3].tolist()
+        return [ready, free, count & 0xFFFFFFFF]
 
     def record(self, region: int, slot: int, words: int):
         start = region // 4 + slot * words
@@ -180,7 +182,7 @@ def test_receive_times_out_instead_of_hanging():
     layout = dispatch.RecordLayout(K, (1,))
     idle_send = _example_send_phase(rank, torch.empty(2, K, dtype=i32, device=DEV))[2]
     dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error,
-                 timeout_units(0.01, INTERPRET), idle_send, _idle_receive(rank, layout),
+                 timeout_units(0.01), idle_send, _idle_receive(rank, layout),
                  do_send=False)
     assert int(rank.error) == errors.DISPATCH_TIMEOUT
     assert rank.counts[0].item() == 0  # the late source counts as empty
@@ -210,7 +212,7 @@ def test_reduce_rounds_like_torch():
     kernel converts in integer arithmetic: round to nearest even)."""
     hidden, tokens = 64, 4
     gen = torch.Generator().manual_seed(3)
-    shape = KernelShape(1, 1, 1, 16, 4, 1, 1, not INTERPRET)
+    shape = KernelShape(1, 1, 1, 16, 4, 1, 1)
     layout = combine.CombineLayout(hidden, 1)
     rank = OneRank()
     rank.heap = torch.zeros(4096, dtype=i32, device=DEV)
@@ -276,7 +278,7 @@ def test_template_arguments_only_for_a_kept_variant():
     rank = OneRank()
     x, layout, _ = _send_example(rank)
     _receive(rank, layout)  # keeps both variants (on the GPU)
-    launcher = dispatch.launcher(SHAPE, layout)
+    launcher = dispatch.launcher(SHAPE, layout, S)
     assert launcher.kept(FULL_VARIANT) == (not INTERPRET) and not launcher.kept(None)
     slots = torch.full((2, K), -7, dtype=i32, device=DEV)
     out = _receive_outputs(1)

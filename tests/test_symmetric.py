@@ -135,36 +135,27 @@ def test_inputs_not_contiguous_or_not_aligned():
 
 
 def _mismatched_max_tokens(num_ranks):
-    """Rank 0 says num_max_tokens_per_rank=M, rank 1 says 2 (a contract violation): rank 1's
-    sync-free outputs hold R * 2 rows, fewer than it receives. The excess is dropped, not written
-    past the outputs, and flagged; the buffer stays usable."""
+    """Rank 0 says num_max_tokens_per_rank=M, rank 1 says 2 (a contract violation): the calls'
+    stamps differ, so each rank ignores the other's rows (none is written past rank 1's R * 2
+    output rows) and, as a CPU call reads the host, raises `EPMismatchError`. Every rank
+    completed the call: the buffer stays usable."""
     rank = dist.get_rank()
     buffers = _buffer_pair()
     symm = buffers[1]
     max_tokens = M if rank == 0 else 2
     x, _, weights = _data(rank, max_tokens, 4 * num_ranks, False, False, 80)
     idx = torch.full((max_tokens, K), 4, dtype=torch.int64)  # every token to rank 1
-    recv_x, _, _, handle, _ = symm.dispatch(x, idx, weights, num_experts=4 * num_ranks,
-                                            num_max_tokens_per_rank=max_tokens,
-                                            do_cpu_sync=False)
-    assert recv_x.shape[0] == num_ranks * max_tokens
-    rows = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
-    if rank == 1:
-        assert rows == num_ranks * max_tokens  # clamped to the outputs
-        with pytest.raises(errors.EPError, match="different num_max_tokens_per_rank"):
-            symm.check_errors()
-    else:
-        assert rows == 0
-        symm.check_errors()
-    symm.combine(recv_x, handle)
-    symm.check_errors()
+    with pytest.raises(errors.EPMismatchError, match="num_max_tokens_per_rank"):
+        symm.dispatch(x, idx, weights, num_experts=4 * num_ranks,
+                      num_max_tokens_per_rank=max_tokens, do_cpu_sync=False)
+    symm.check_errors()  # (raised and cleared)
     x, idx, weights = _data(rank, M - 1, 4 * num_ranks, False, False, 81)
     _roundtrip(buffers, x, idx, weights, 4 * num_ranks, dict(do_cpu_sync=False), None,
-               f"rank {rank} after the overflow")
+               f"rank {rank} after the mismatch")
     return True
 
 
-def test_rows_past_the_outputs_are_dropped_and_flagged():
+def test_mismatched_max_tokens_is_flagged_not_mixed():
     assert run_local_ranks(_mismatched_max_tokens, 2, 2) == [True, True]
 
 
@@ -337,9 +328,9 @@ def test_prepared_calls_pass_the_typed_addresses():
     same arguments as the typed launch of the same call, pointer for pointer (a tensor and its
     address, a handle part and its offset into the block), for both layouts, bf16 and FP8,
     with and without weights and the handle's topk_idx copy, synchronizing (two dispatch
-    launches) and sync-free (the first call of a call shape prepares it, the second takes the
-    prepared call without checks), cached dispatch (typed) and combine with biases (prepared
-    when kept)."""
+    launches and a host read between them) and sync-free (the first call of a call shape
+    prepares it, the second takes the prepared call without checks), cached dispatch (typed)
+    and combine with biases (prepared when kept)."""
     cases = [(False, False, False, True, 0, True), (False, True, False, True, 2, True),
              (True, False, True, False, 1, True), (True, True, True, True, 0, True),
              (False, False, True, True, 2, True), (True, False, False, False, 1, False),
@@ -348,10 +339,11 @@ def test_prepared_calls_pass_the_typed_addresses():
     for (case, kept, prepared, checked), (_, _, typed, typed_checked) in \
             zip(results[1::2], results[0::2]):
         sync = cases[case][2]
-        assert kept and typed_checked == 3 and checked == 3 - (not sync), (case, checked)
-        # sync: count and receive launches per dispatch, one for the cached dispatch (typed);
-        # sync-free: one launch per dispatch, prepared but the cached one; combine prepared
-        want = ["typed"] * 5 + ["filled"] if sync else ["filled", "filled", "typed", "filled"]
+        assert kept and typed_checked == 3 and checked == 2, (case, checked)
+        # sync: count and receive launches per dispatch, sync-free: one; every dispatch
+        # prepared (the first call of the shape prepares it) but the cached one, which is
+        # typed; the combine prepared
+        want = ["filled"] * (4 if sync else 2) + ["typed", "filled"]
         assert [launch[2] for launch in prepared] == want, (case, prepared)
         assert len(typed) == len(want), (case, len(typed))
         assert all(launch[2] == "typed" for launch in typed)

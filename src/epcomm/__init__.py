@@ -14,6 +14,7 @@ from .elastic import (ElasticBuffer, get_logical_domain_size, get_physical_domai
 from .errors import EPError, EPTimeoutError
 from .events import EventHandle, EventOverlap
 from .handle import EPHandle
+from . import autograd, ops  # (ops registers the torch.ops.epcomm custom ops)
 
 __all__ = ["Buffer", "ElasticBuffer", "EPHandle", "EventOverlap", "EventHandle", "EPError",
            "EPTimeoutError", "topk_idx_t", "get_physical_domain_size", "get_logical_domain_size"]

@@ -401,6 +401,7 @@ def _rank_main(opts: Options) -> dict:
             del out
             record["dispatch"] = measure(dispatch)
             record["combine"] = measure(lambda: buffer.combine(combine_x, handle))
+            record.update(_output_copies(measure, handle, H, case.dtype, device))
             del combine_x, handle
             result["cases"].append(record)
             step(case.label)
@@ -465,6 +466,7 @@ def aggregate(per_rank: list[dict], opts: Options) -> list[dict]:
             row["copy"] = _figure([b[f"copy_{case.dtype}"] for b in bases], "bytes")
         row["num_sms"] = per_rank[0]["num_sms"][case.config]
         _add_peer_figures(row, case, bases, records)
+        _add_floor_figures(row, records)
         rows.append(row)
     return rows
 
@@ -486,6 +488,55 @@ def _add_peer_figures(row: dict, case: Case, bases: list[dict], records: list[di
         row["vdev2d_combine"] = _figure(
             [dict(b["vdev2d_combine"], bytes=r["combine_bytes"]) for b, r in zip(bases, records)],
             "bytes")
+
+
+def _output_copies(measure, handle, hidden: int, dtype: str, device: torch.device) -> dict:
+    """A fresh copy of the bytes a dispatch and a combine must write to their outputs (the
+    valid rows: compact rows, or (row, local slot) pairs in the expand layout; the combined
+    [T, H] bf16), timed: with the all-to-all of the same bytes, the collective backend's
+    floor."""
+    rows = handle.num_unaligned_recv_tokens_per_expert.sum() if handle.do_expand else \
+        handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+    figures = {"dispatch_out_bytes": int(rows) * _row_bytes(hidden, dtype),
+               "combine_out_bytes": handle.num_tokens * _row_bytes(hidden, "bf16")}
+    for what in ("dispatch", "combine"):
+        source = torch.empty(max(1, figures[f"{what}_out_bytes"]), dtype=torch.uint8,
+                             device=device)
+        figures[f"copy_{what}_out"] = measure(source.clone)  # a fresh output, as a call makes
+    return figures
+
+
+def _add_floor_figures(row: dict, records: list[dict]) -> None:
+    """Floors of the collective backend's case (median over ranks): dispatch = the payload
+    all-to-all (with the count exchange and its host read when synchronizing) + the copy of
+    its output bytes; combine = the reverse all-to-all + the copy of the combined rows."""
+    if row["backend"] != "collective" or "copy_dispatch_out" not in records[0]:
+        return
+    a2a = row["a2a_dispatch"] if row["sync"] else row["a2a_dispatch_payload"]
+    copies = {what: statistics.median(r[f"copy_{what}_out"]["s"] for r in records) * 1e6
+              for what in ("dispatch", "combine")}
+    row["floor"] = {"dispatch_us": a2a["us"] + copies["dispatch"],
+                    "combine_us": row["a2a_combine"]["us"] + copies["combine"],
+                    "copy_dispatch_out_us": copies["dispatch"],
+                    "copy_combine_out_us": copies["combine"]}
+
+
+def _format_floor_table(rows: list[dict]) -> str:
+    """The collective backend beside its floor ("" if no row has one)."""
+    floor_rows = [r for r in rows if "floor" in r]
+    if not floor_rows:
+        return ""
+    header = ["case", "disp us", "disp floor us", "disp x floor", "comb us", "comb floor us",
+              "comb x floor"]
+    lines = [[Case(r["config"], r["layout"], r["dtype"], r["sync"]).label,
+              f"{r['dispatch']['us']:.1f}", f"{r['floor']['dispatch_us']:.1f}",
+              f"{r['dispatch']['us'] / r['floor']['dispatch_us']:.2f}",
+              f"{r['combine']['us']:.1f}", f"{r['floor']['combine_us']:.1f}",
+              f"{r['combine']['us'] / r['floor']['combine_us']:.2f}"] for r in floor_rows]
+    return ("\n\nCollective backend against its floor: the all-to-all of the bytes a call sends "
+            "(a2a disp with do_cpu_sync, else the payload alone; a2a comb) + a fresh copy of the "
+            "bytes it writes to its outputs (valid rows), same run, median over ranks:\n\n"
+            + _format_table(header, lines, 1))
 
 
 def _format_table(header: list[str], lines: list[list[str]], num_text: int) -> str:
@@ -529,7 +580,7 @@ def format_tables(rows: list[dict]) -> str:
                    f"{r['a2a_combine']['host_us']:.1f}"] for r in rows]
     text = main + "\n\nHost time per call (time for the call to return):\n\n" + \
         _format_table(host_header, host_lines, 4)
-    return text + _format_peer_table(rows)
+    return text + _format_peer_table(rows) + _format_floor_table(rows)
 
 
 def _format_peer_table(rows: list[dict]) -> str:
@@ -680,6 +731,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds the whole run may take before the ranks are killed "
                              "(default 3600)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--paths", action=argparse.BooleanOptionalAction, default=None,
+                        help="then every path at EP=1 in one process beside its baselines "
+                             "(epcomm.bench_paths; default: on with a GPU)")
+    parser.add_argument("--paths-tokens", default=None, metavar="N,N",
+                        help="tokens per rank of the EP=1 paths (default 1,32,128,256,4096 "
+                             "on a GPU, 32,128 on CPU)")
+    parser.add_argument("--plot", default=None, metavar="FILE",
+                        help="draw the EP=1 paths' latency against tokens per rank to FILE "
+                             "(implies --paths; needs matplotlib: epcomm[plot])")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -709,7 +769,31 @@ def main(args: argparse.Namespace) -> int:
             print(f"MISMATCH {r['config']}/{r['layout']}/{r['dtype']}/"
                   f"{'sync' if r['sync'] else 'sync-free'} rank {rank}: {', '.join(fields)}")
     print(f"\n# {report['elapsed_s']:.1f} s")
+    paths = args.paths if args.paths is not None else \
+        (args.plot is not None or opts.device == "cuda")
+    if paths:
+        report["paths"] = _run_paths(args, opts)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
     return 1 if bad else 0
+
+
+def _run_paths(args: argparse.Namespace, opts: Options) -> list[dict]:
+    """`epcomm.bench_paths` at the last config's shape on a GPU (a small one on CPU): prints
+    its table, draws `--plot`; returns its rows."""
+    from . import bench_paths
+    cuda = opts.device == "cuda"
+    config = CONFIGS[opts.configs[-1]] if cuda else CONFIGS["small"]
+    default = "1,32,128,256,4096" if cuda else "32,128"
+    tokens = [int(n) for n in (args.paths_tokens or default).split(",")]
+    rows = bench_paths.run_paths(tokens, config.hidden, config.num_topk, config.num_experts,
+                                 seed=opts.seed)
+    print(f"\n# every path at EP=1, one process ({'NCCL' if cuda else 'gloo'}), "
+          f"{config.name}: hidden {config.hidden}, top-{config.num_topk}, "
+          f"{config.num_experts} experts, bf16; us per call, back to back")
+    print(bench_paths.format_paths(rows))
+    if args.plot:
+        bench_paths.plot_paths(rows, args.plot)
+        print(f"# plot: {args.plot}")
+    return rows

@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import numbers
 import os
+import weakref
 from typing import Optional, Union
 
 import torch
@@ -18,14 +18,52 @@ from .backends import make_backend
 from .backends.base import (BufferConfig, CombineRequest, DispatchRequest, DispatchResult,
                             OutputAllocator)
 from .checks import (call_key, check_combine, check_combine_options, check_dispatch,
-                     check_expert_ids, check_flag, check_int, tensor_signature)
+                     check_expert_ids, check_flag, check_int, check_timeout, tensor_signature)
 from .events import EventHandle, EventOverlap, as_event_overlap
 from .handle import EPHandle
+from .nan import canonical_nan_
 from .streams import StreamPolicy, comm_stream
 
 DispatchInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 _buffer_ids = itertools.count()
+# The live buffers by `buffer_id` (weak references: a buffer leaves on `destroy()` or when it is
+# collected), so that a custom op names its buffer by an int (`epcomm.ops`).
+_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
+
+
+def live_buffer(buffer_id: int) -> "Buffer":
+    """The live `Buffer` whose `buffer_id` is `buffer_id` (ValueError if it was destroyed or
+    collected)."""
+    buffer = _live_buffers.get(buffer_id)
+    if buffer is None:
+        raise ValueError(f"buffer_id {buffer_id}: no live Buffer has this id (destroyed or "
+                         "collected)")
+    return buffer
+
+
+# Failures after which the ranks' protocol state disagrees: the buffer is broken.
+_FAULTS = (errors.EPFaultError, dist.DistBackendError)
+
+
+def _agree(group: dist.ProcessGroup, fields: dict) -> None:
+    """Raise `EPMismatchError` on every rank of `group` unless every rank passed equal `fields`
+    (name -> value; one all-gather), naming each field that differs and the ranks of each
+    value."""
+    every = [None] * dist.get_world_size(group)
+    dist.all_gather_object(every, fields, group=group)
+    differ = []
+    for name in fields:
+        ranks: dict = {}
+        for rank, theirs in enumerate(every):
+            ranks.setdefault(repr(theirs.get(name)), []).append(rank)
+        if len(ranks) > 1:
+            differ.append(f"{name}: " + ", ".join(f"{value} on rank(s) {members}"
+                                                  for value, members in ranks.items()))
+    if differ:
+        raise errors.EPMismatchError("Buffer: the ranks of the group were given different "
+                                     "configurations: " + "; ".join(differ))
+
 
 # TMA needs the column stride of a column-major scale tensor to be a multiple of 16 bytes.
 _TMA_ALIGNMENT_BYTES = 16
@@ -91,7 +129,8 @@ class Buffer:
         backend: "auto", "collective" or "symmetric" (see `buffer.backend` for the choice).
         num_sms: SMs for the communication kernels of the symmetric backend (None: default).
         device: where tensors live; default the current CUDA device, else CPU.
-        timeout_s: how long a peer may be waited for before a timeout error.
+        timeout_s: how long a peer may be waited for before a timeout error, in seconds of
+            wall-clock time (a positive finite number).
         allow_multiple_reduction: True (default): an expand-layout combine reduces each
             token's local expert rows on the receiving rank first (one bf16 rounding there),
             then sums the ranks' rows on the source. False: a single reduction: every expert
@@ -121,10 +160,7 @@ class Buffer:
                                               allow_multiple_reduction)
         if num_sms is not None:
             num_sms = check_int("num_sms", num_sms, 1)
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, numbers.Real):
-            raise TypeError(f"timeout_s must be a number, got {type(timeout_s).__name__}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        timeout_s = check_timeout("timeout_s", timeout_s)
         if device is not None and not isinstance(device, (str, torch.device)):
             raise TypeError(f"device must be a str or torch.device, got {type(device).__name__}")
         if device is None:
@@ -145,13 +181,22 @@ class Buffer:
         self.timeout_s = timeout_s
         self.avoid_record_stream = os.environ.get("EP_AVOID_RECORD_STREAM", "0") == "1"
         self.buffer_id = next(_buffer_ids)
+        _live_buffers[self.buffer_id] = self
         self.config = BufferConfig(self.device, self.rank, self.num_ranks,
                                     num_max_tokens_per_rank, hidden, num_topk, timeout_s, num_sms,
                                     self.buffer_id)
+        # Every rank must agree before any memory is shared (heaps are sized from these).
+        _agree(group, dict(num_max_tokens_per_rank=num_max_tokens_per_rank, hidden=hidden,
+                           num_topk=num_topk, backend=backend, device_type=self.device.type,
+                           allow_multiple_reduction=allow_multiple_reduction))
         self._streams = StreamPolicy(self.device, self.avoid_record_stream)
         self._backend = make_backend(backend, group, self.config)
         self.num_sms = num_sms if self._backend.num_sms is None else self._backend.num_sms
         self._destroyed = False
+        self._fault: Optional[str] = None  # the first failure that broke the buffer
+        # Handles of dispatches with do_handle_copy=False -> (id, version) of their topk_idx
+        # then: a cached dispatch refuses a topk_idx changed in place since.
+        self._idx_versions: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     # -- information -----------------------------------------------------------------------
     @property
@@ -190,7 +235,11 @@ class Buffer:
     def barrier(self) -> None:
         """Wait until every rank of the group has reached this point."""
         self._check_alive()
-        dist.barrier(group=self.group)
+        try:
+            dist.barrier(group=self.group)
+        except dist.DistBackendError as exc:
+            raise self._broken_by(errors.EPFaultError(
+                f"rank {self.rank}: barrier: the process group failed ({exc})")) from exc
 
     def release_completed(self) -> None:
         """Drop the references this buffer holds (EP_AVOID_RECORD_STREAM=1) to inputs and
@@ -200,15 +249,17 @@ class Buffer:
 
     def check_errors(self) -> None:
         """Raise `EPError` for any error a sync-free call flagged on the device (reads the flag
-        back to the host, so it synchronizes), and clear the flag."""
+        back to the host, so it synchronizes), and clear the flag: `EPTimeoutError` or
+        `EPFaultError` for a timeout or a peer out of step (the buffer is broken from then on),
+        `EPMismatchError` for a peer that called with other arguments, else `EPError`."""
         flags_tensor = self._backend.error_flags()
         if flags_tensor is None:
             return
         flags = int(flags_tensor.item())
         if flags:
             flags_tensor.zero_()
-            error = errors.EPTimeoutError if flags & errors.WAIT_TIMEOUT else errors.EPError
-            raise error(f"rank {self.rank}: {errors.describe_flags(flags)}")
+            error = errors.flags_error(flags, f"rank {self.rank}", self.timeout_s)
+            raise self._broken_by(error) if isinstance(error, errors.EPFaultError) else error
 
     def destroy(self) -> None:
         """Release the backend's communication memory; the buffer cannot be used afterwards."""
@@ -216,10 +267,23 @@ class Buffer:
             self._streams.release_completed(wait=True)
             self._backend.destroy()
             self._destroyed = True
+            _live_buffers.pop(self.buffer_id, None)
 
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
+        if self._fault is not None:
+            raise errors.EPBrokenError(
+                f"rank {self.rank}: this Buffer is broken by an earlier failure: {self._fault}. "
+                "Its ranks no longer agree on the protocol's state: destroy it "
+                "(buffer.destroy()) and make a new process group and a new Buffer")
+
+    def _broken_by(self, exc: BaseException) -> BaseException:
+        """Record `exc` (a timeout, a lost peer, ranks out of step) as the failure that broke
+        the buffer (the first one is kept); returns `exc` for the caller to raise."""
+        if self._fault is None:
+            self._fault = f"{type(exc).__name__}: {exc}"
+        return exc
 
     def _direct(self, inputs, host_reads: bool) -> bool:
         """Whether a call may run on the current stream as far as the backend and the inputs
@@ -311,9 +375,9 @@ class Buffer:
                                                               previous_event_before_epilogue)
         stats = cumulative_local_expert_recv_stats
         key = None
-        if do_cpu_sync is False and handle is None:
+        if type(do_cpu_sync) is bool and handle is None:
             rows = tuple(x) if isinstance(x, (tuple, list)) else (x,)
-            key, addresses = call_key(rows, topk_idx, topk_weights, num_experts,
+            key, addresses = call_key(rows, topk_idx, topk_weights, do_cpu_sync, num_experts,
                                       num_max_tokens_per_rank, expert_alignment, do_expand,
                                       do_zero_padding, do_handle_copy, previous_event is not None,
                                       allocate_on_comm_stream, async_with_compute_stream,
@@ -337,9 +401,14 @@ class Buffer:
                         return self._epilogue(prepared.run(addresses, topk_idx, alloc, stream),
                                               alloc, stream, stats, use_tma_aligned_col_major_sf)
                     inputs = (*rows, topk_idx, topk_weights, stats)
-                result, event = self._streams.run(work, inputs, previous_event,
-                                                  async_with_compute_stream,
-                                                  allocate_on_comm_stream, direct=True)
+                try:
+                    result, event = self._streams.run(work, inputs, previous_event,
+                                                      async_with_compute_stream,
+                                                      allocate_on_comm_stream, direct=True)
+                except _FAULTS as exc:
+                    raise self._broken_by(exc)
+                if not do_handle_copy:
+                    self._idx_versions[result.handle] = (id(topk_idx), topk_idx._version)
                 return self._dispatch_returns(result, len(rows), event)
         self._check_alive()
         args = check_dispatch(self.config, self._backend.num_sms, x, topk_idx, topk_weights,
@@ -349,6 +418,8 @@ class Buffer:
                               do_handle_copy, stats, num_sms, num_qps,
                               previous_event_before_epilogue, use_tma_aligned_col_major_sf)
         copy_topk_idx = handle is None and args.do_handle_copy
+        if handle is not None:
+            self._check_topk_idx_unchanged(handle)
 
         def work(alloc: OutputAllocator, stream):
             # Copies run here, on the stream the call runs on: with `previous_event` it does
@@ -370,13 +441,34 @@ class Buffer:
         inputs = (*args.rows, args.topk_idx, args.topk_weights)
         # A cached dispatch never reads the host: it has the handle's sizes.
         host_reads = args.do_cpu_sync and handle is None
-        result, event = self._streams.run(work, inputs if stats is None else (*inputs, stats),
-                                          args.previous_event, args.async_with_compute_stream,
-                                          args.allocate_on_comm_stream,
-                                          self._direct(inputs, host_reads))
-        if host_reads and self.device.type == "cuda":
-            self.check_errors()  # this call reads the host anyway: report earlier sync-free errors
+        try:
+            result, event = self._streams.run(
+                work, inputs if stats is None else (*inputs, stats), args.previous_event,
+                args.async_with_compute_stream, args.allocate_on_comm_stream,
+                self._direct(inputs, host_reads))
+        except _FAULTS as exc:
+            raise self._broken_by(exc)
+        if handle is None and not args.do_handle_copy:
+            self._idx_versions[result.handle] = (id(args.topk_idx), args.topk_idx._version)
+        if (host_reads or (handle is None and self.device.type == "cpu")) and \
+                not result.flags_checked:
+            # This call reads the host anyway (CPU tensors: the flags are at hand; a cached
+            # dispatch never reads it): report its own errors (an expand overflow, ...) and
+            # earlier sync-free ones at once.
+            self.check_errors()
         return self._dispatch_returns(result, len(args.rows), event)
+
+    def _check_topk_idx_unchanged(self, handle: EPHandle) -> None:
+        """A cached dispatch of a handle that holds the caller's topk_idx (do_handle_copy=False)
+        raises if that tensor was changed in place since its dispatch (its version counter
+        moved): the cached layout and the new ids would not match."""
+        made = self._idx_versions.get(handle)
+        topk_idx = handle.tensors["topk_idx"]
+        if made is not None and made[0] == id(topk_idx) and made[1] != topk_idx._version:
+            raise ValueError("handle.topk_idx (the caller's tensor: the dispatch had "
+                             "do_handle_copy=False) was modified in place after that dispatch; "
+                             "a cached dispatch would mix the old layout with the new ids. "
+                             "Dispatch again without the handle, or use do_handle_copy=True")
 
     @staticmethod
     def _epilogue(result: DispatchResult, alloc: OutputAllocator, stream, stats,
@@ -455,9 +547,14 @@ class Buffer:
                 stream=stream))
 
         inputs = (x, topk_weights, *biases)
-        (combined_x, combined_weights), event = self._streams.run(
-            work, inputs, previous_event, async_with_compute_stream, allocate_on_comm_stream,
-            self._direct(inputs, handle.do_cpu_sync))
+        try:
+            (combined_x, combined_weights), event = self._streams.run(
+                work, inputs, previous_event, async_with_compute_stream,
+                allocate_on_comm_stream, self._direct(inputs, handle.do_cpu_sync))
+        except _FAULTS as exc:
+            raise self._broken_by(exc)
+        if self.device.type == "cpu":
+            self.check_errors()  # CPU tensors: the flags are at hand
         return combined_x, combined_weights, event
 
     def _combine_single_reduction(self, handle: EPHandle, x: torch.Tensor,
@@ -498,5 +595,5 @@ class Buffer:
                 acc += returned.float()
                 if slot == 0 and combined_weights is not None:
                     combined_weights.copy_(returned_weights)
-            combined_x.copy_(acc)
+            canonical_nan_(combined_x.copy_(acc))
         return combined_x, combined_weights

@@ -4,6 +4,7 @@ any communication starts. Also the call key under which a backend keeps a prepar
 dispatch (`call_key`)."""
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -14,6 +15,10 @@ from .backends.base import BufferConfig
 from .events import EventOverlap, as_event_overlap, check_flag
 from .fp8 import num_scales
 from .handle import EPHandle
+from .layout import expand_capacity
+
+# Row counts and their prefix sums are int32 on the device.
+_MAX_ROWS = 2**31 - 1
 
 
 def check_int(name: str, value, minimum: int = 0) -> int:
@@ -24,6 +29,17 @@ def check_int(name: str, value, minimum: int = 0) -> int:
         value = int(value)
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def check_timeout(name: str, value) -> float:
+    """`value` (seconds) as a positive finite float (any real number but a bool)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(value).__name__} "
+                        f"{value!r}")
+    value = float(value)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number of seconds, got {value!r}")
     return value
 
 
@@ -203,6 +219,12 @@ def check_dispatch(config: BufferConfig, backend_num_sms: Optional[int], x, topk
             raise ValueError(f"num_experts={num_experts} must be divisible by the group size "
                              f"{config.num_ranks}")
         expert_alignment = 1 if expert_alignment is None else expert_alignment
+        most_rows = expand_capacity(config.num_ranks, max_tokens, config.num_topk,
+                                    num_experts // config.num_ranks, expert_alignment)
+        if most_rows > _MAX_ROWS:
+            raise ValueError(f"expert_alignment={expert_alignment} is too large: the aligned "
+                             f"expert rows of this call may reach {most_rows}, past the int32 "
+                             f"counts ({_MAX_ROWS})")
         do_cpu_sync = True if do_cpu_sync is None else do_cpu_sync
         if topk_idx is None:
             raise ValueError("topk_idx is required unless a handle is given")

@@ -33,6 +33,20 @@ def _blocks(x: torch.Tensor) -> torch.Tensor:
     return padded.view(num_tokens, num_blocks, BLOCK_SIZE)
 
 
+def block_scales(amax: torch.Tensor, round_scale: bool = False) -> torch.Tensor:
+    """fp32 scales of blocks whose largest |x| is `amax` (fp32): `max(amax, 1e-4) / 448` as an
+    IEEE fp32 division, or with `round_scale` the least power of two >= that. (The divisor is a
+    tensor on `amax`'s device: CUDA turns a division by a Python number into a multiplication
+    by its reciprocal, which can differ in the last bit.)"""
+    amax = amax.clamp(min=_AMAX_MIN)
+    scales = amax / torch.full_like(amax, FP8_MAX)
+    if round_scale:
+        mantissa, exponent = torch.frexp(scales)      # scales = mantissa * 2**exponent
+        exponent = exponent - (mantissa == 0.5).to(exponent.dtype)  # exact powers stay
+        scales = torch.ldexp(torch.ones_like(scales), exponent)
+    return scales
+
+
 def per_token_cast_to_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` ``[T, H]`` (bf16, fp16 or fp32) per token and 128-channel block.
 
@@ -47,8 +61,7 @@ def per_token_cast_to_fp8(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         raise TypeError(f"x must be bfloat16, float16 or float32, got {x.dtype}")
     num_tokens, hidden = x.shape
     blocks = _blocks(x)
-    amax = blocks.abs().amax(dim=2).clamp(min=_AMAX_MIN)   # [T, B]
-    scales = amax / FP8_MAX
+    scales = block_scales(blocks.abs().amax(dim=2))   # [T, B]
     x_fp8 = (blocks / scales.unsqueeze(2)).to(torch.float8_e4m3fn)
     x_fp8 = x_fp8.reshape(num_tokens, blocks.shape[1] * BLOCK_SIZE)[:, :hidden].contiguous()
     return x_fp8, scales.contiguous()

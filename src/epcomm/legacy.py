@@ -1,4 +1,5 @@
-"""DeepEP V1's `Buffer` in its normal (high-throughput) mode, on top of epcomm.
+"""DeepEP V1's `Buffer` in its normal (high-throughput) and low-latency modes, on top of
+epcomm.
 
 Code written against DeepEP V1 (`deep_ep.Buffer` with `get_dispatch_layout`, `dispatch`,
 `combine`, `Config`, `EventOverlap`) runs unchanged against `epcomm.legacy.Buffer`:
@@ -58,6 +59,13 @@ adds the ranks (by each rank's last top-k slot of the token, docs/semantics.md; 
 without `topk_idx`, rank order), and expert ids outside `[-1, num_experts)` (they raise instead of
 being ignored).
 
+Low-latency mode (`low_latency_mode=True`): `low_latency_dispatch` / `low_latency_combine`,
+their receive hooks, `get_next_low_latency_combine_buffer`, `clean_low_latency_buffer` and the
+mask API (`enable_shrink=True`) are DeepEP's, carried by `epcomm.low_latency` over peer memory
+(CUDA, one node; Triton kernels) or point-to-point messages of the group (anywhere else);
+docs/semantics.md ("Low-latency mode") defines every output bit, including the row order
+DeepEP leaves to its atomics. `use_logfmt=True` is not implemented.
+
 Differences and what is missing:
 - `combined_topk_weights[t, j]` is the weight the rank owning slot `j`'s expert sent back (0 for
   -1 slots). DeepEP sums slot `j` over every rank the token went to; the two agree when the other
@@ -69,9 +77,8 @@ Differences and what is missing:
   `is_token_in_rank` and the counts `num_tokens_per_expert`, as in DeepEP.
 - FP8 scales must have `ceil(hidden / 128)` columns (float32 or int32): UE8M0-packed scales of
   other widths are not accepted.
-- Low-latency mode (`low_latency_mode=True`, `low_latency_dispatch`, ...), `enable_shrink`, an
-  mpi4py `comm` instead of a group, `get_local_buffer_tensor`, and DeepEP's ten-tensor internode
-  handle (groups of more than 8 ranks get the intranode form too) are not supported.
+- An mpi4py `comm` instead of a group, `get_local_buffer_tensor`, and DeepEP's ten-tensor
+  internode handle (groups of more than 8 ranks get the intranode form too) are not supported.
 - `Config` and `num_sms` shape the handle's channel tensors only; epcomm's kernels choose their
   own launch sizes.
 - Less strict than DeepEP: tensors need not be contiguous (they are copied), and the hidden size
@@ -90,13 +97,17 @@ from typing import Any, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from .backends.symmetric.heap import heap_reachable
 from .buffer import Buffer as _EPBuffer
 from .elastic import topk_idx_t
 from .events import EventHandle, EventOverlap
-from .fp8 import num_scales
+from .fp8 import BLOCK_SIZE as _FP8_BLOCK, num_scales
 from .handle import EPHandle
+from .low_latency import (CollectiveLowLatency, LowLatencyHandle, LowLatencyShape,
+                          LowLatencyTransport, SymmetricLowLatency, low_latency_size_hint)
 
-__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "topk_idx_t"]
+__all__ = ["Buffer", "Config", "DispatchHandle", "EventOverlap", "LowLatencyHandle",
+           "topk_idx_t"]
 
 _NUM_MAX_NVL_PEERS = 8     # ranks DeepEP connects by NVLink (one node)
 _BUFFER_ALIGNMENT = 128    # DeepEP's buffer sizes are multiples of this many bytes
@@ -374,6 +385,29 @@ def _cuda_event(previous_event) -> Optional["torch.cuda.Event"]:
     return getattr(previous_event, "event", None)
 
 
+def _check_hook_options(async_finish, return_recv_hook) -> None:
+    if async_finish and return_recv_hook:
+        raise ValueError("async_finish=True and return_recv_hook=True cannot be combined (the "
+                         "hook receives on the current stream)")
+
+
+def _finish_event(device: torch.device, async_finish: bool) -> EventOverlap:
+    """A low-latency call's event: with `async_finish` on CUDA, one recorded on the current
+    stream (where the call's work runs); else empty."""
+    if async_finish and device.type == "cuda":
+        return _EPBuffer.capture()
+    return EventOverlap()
+
+
+def _low_latency_handle(handle) -> tuple[LowLatencyShape, torch.device]:
+    """The (shape, device) of a low-latency dispatch's handle, checked to be one."""
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError("handle must be the handle low_latency_dispatch of "
+                        f"epcomm.legacy.Buffer returned, got {type(handle).__name__}")
+    shape, device = handle.slot_key
+    return shape, torch.device(device)
+
+
 def _fit_rows(tensor: torch.Tensor, rows: int, fill=None) -> torch.Tensor:
     """`tensor` with exactly `rows` rows: its first rows (a view), or a copy padded with
     `fill` (0 as bytes for any dtype; None: left unset)."""
@@ -481,7 +515,8 @@ class _Calls:
 
 # ---------------------------------------------------------------------------------- Buffer
 class Buffer:
-    """DeepEP V1's communication buffer, normal (high-throughput) mode, over epcomm.
+    """DeepEP V1's communication buffer over epcomm: the normal (high-throughput) mode, and the
+    low-latency (decode) mode with `low_latency_mode=True`.
 
     Attributes:
         num_sms: class attribute, DeepEP's SM count of high-throughput kernels (default 20);
@@ -502,30 +537,30 @@ class Buffer:
                  allow_mnnvl: bool = False, explicitly_destroy: bool = False,
                  enable_shrink: bool = False, comm: Any = None, *,
                  num_max_tokens_per_rank: Optional[int] = None,
-                 backend: str = "auto") -> None:
+                 backend: str = "auto", low_latency_timeout_s: float = 100.0) -> None:
         """Make a buffer over `group` (nothing is allocated until the first dispatch).
 
         Args:
             group: the EP process group (gloo for CPU tensors, NCCL for CUDA tensors).
             num_nvl_bytes: DeepEP's NVLink buffer bytes (int >= 0, multiple of 128); recorded.
             num_rdma_bytes: DeepEP's RDMA buffer bytes (int >= 0, multiple of 128); recorded.
-            low_latency_mode: must be False: the low-latency mode is not supported yet.
+            low_latency_mode: enable the low-latency calls (`low_latency_dispatch`, ...);
+                they need `num_rdma_bytes >= get_low_latency_rdma_size_hint(...)`.
             num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl: RDMA and
                 low-latency settings of DeepEP; accepted and ignored.
             explicitly_destroy: True: `destroy()` releases the buffer (and must be called
                 for that); False: resources go with the object, and `destroy()` raises.
-            enable_shrink: must be False (low-latency rank masking is not supported).
+            enable_shrink: enable the low-latency mask API (`low_latency_update_mask_buffer`,
+                ...).
             comm: an mpi4py communicator instead of `group`: not supported (pass a group).
             num_max_tokens_per_rank: epcomm only: fix `M`, the most tokens any rank passes to
                 one dispatch (the same on every rank); default None: sized from the calls.
-            backend: epcomm only: "auto", "collective" or "symmetric" (`epcomm.Buffer`).
+            backend: epcomm only: "auto", "collective" or "symmetric" (`epcomm.Buffer`). The
+                low-latency mode follows it: "auto" takes peer memory on CUDA where every rank
+                maps every peer's, else the collective transport.
+            low_latency_timeout_s: epcomm only: how long a low-latency kernel waits for a peer
+                (seconds of wall-clock time) before it gives up and flags a timeout.
         """
-        if low_latency_mode:
-            raise NotImplementedError("low_latency_mode=True: DeepEP's low-latency mode is not "
-                                      "supported yet by epcomm.legacy.Buffer (normal mode only)")
-        if enable_shrink:
-            raise NotImplementedError("enable_shrink=True (low-latency rank masking) is not "
-                                      "supported by epcomm.legacy.Buffer")
         if group is None:
             if comm is not None:
                 raise NotImplementedError("an mpi4py comm is not supported by "
@@ -542,6 +577,9 @@ class Buffer:
                 _is_int(num_max_tokens_per_rank) and num_max_tokens_per_rank > 0):
             raise ValueError(f"num_max_tokens_per_rank must be a positive int or None, "
                              f"got {num_max_tokens_per_rank!r}")
+        if not (isinstance(low_latency_timeout_s, (int, float)) and low_latency_timeout_s > 0):
+            raise ValueError(f"low_latency_timeout_s must be a positive number of seconds, "
+                             f"got {low_latency_timeout_s!r}")
         if backend not in ("auto", "collective", "symmetric"):
             raise ValueError(f"backend must be 'auto', 'collective' or 'symmetric', "
                              f"got {backend!r}")
@@ -561,6 +599,9 @@ class Buffer:
         self._made: list[_EPBuffer] = []           # every internal buffer, oldest first
         self._headers: dict[tuple, torch.Tensor] = {}  # device copies of `_share` headers
         self._destroyed = False
+        self._low_latency: dict[str, LowLatencyTransport] = {}  # device -> transport
+        self._low_latency_timeout_s = low_latency_timeout_s
+        self._masked: set[int] = set()             # ranks masked by the mask API
 
     # -- static and information ----------------------------------------------------------
     @staticmethod
@@ -601,10 +642,28 @@ class Buffer:
         return Config(Buffer.num_sms, *table[num_ranks])
 
     @staticmethod
-    def get_low_latency_rdma_size_hint(*args, **kwargs) -> int:
-        """Not supported: DeepEP's low-latency mode is not supported yet."""
-        raise NotImplementedError("DeepEP's low-latency mode is not supported yet by "
-                                  "epcomm.legacy.Buffer")
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                       num_ranks: int, num_experts: int) -> int:
+        """DeepEP's minimum `num_rdma_bytes` for the low-latency mode (its BF16 sizing): the
+        value DeepEP returns, a multiple of 128. The low-latency calls check `num_rdma_bytes`
+        against it as DeepEP does (epcomm's own buffers: `epcomm.low_latency`).
+
+        Args:
+            num_max_dispatch_tokens_per_rank: M, the most tokens one rank dispatches (> 0).
+            hidden: H (> 0).
+            num_ranks: R (> 0).
+            num_experts: E, a positive multiple of `num_ranks`.
+        """
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_ranks", num_ranks),
+                            ("num_experts", num_experts)):
+            if not (_is_int(value) and value > 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_experts % num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be a multiple of num_ranks "
+                             f"({num_ranks})")
+        return low_latency_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks,
+                                     num_experts)
 
     @property
     def inner_buffers(self) -> list:
@@ -644,32 +703,287 @@ class Buffer:
         for inner in self._made:
             inner.destroy()
         self._inner.clear()
+        for transport in self._low_latency.values():
+            transport.destroy()
+        self._low_latency.clear()
         self._destroyed = True
 
     def _check_alive(self) -> None:
         if self._destroyed:
             raise RuntimeError("this Buffer was destroyed")
 
-    # -- low-latency mode: not supported -------------------------------------------------
-    def _no_low_latency(self, name: str):
-        raise NotImplementedError(f"{name}: DeepEP's low-latency mode is not supported yet by "
-                                  "epcomm.legacy.Buffer (normal mode only)")
+    # -- low-latency mode ----------------------------------------------------------------
+    def _check_low_latency(self, name: str) -> None:
+        self._check_alive()
+        if not self.low_latency_mode:
+            raise RuntimeError(f"{name} requires Buffer(..., low_latency_mode=True)")
 
-    def low_latency_dispatch(self, *args, **kwargs):
-        """Not supported: DeepEP's low-latency mode is not supported yet."""
-        self._no_low_latency("low_latency_dispatch")
+    def _low_latency_transport(self, name: str, device: torch.device) -> LowLatencyTransport:
+        """The low-latency transport of `device`, checked usable for call `name`; the first
+        call on a device chooses it (collective over the group with `backend="auto"` on CUDA:
+        whether every rank maps every peer's memory)."""
+        self._check_low_latency(name)
+        transport = self._low_latency.get(str(device))
+        if transport is None:
+            symmetric = self._backend == "symmetric" or (
+                self._backend == "auto" and device.type == "cuda")
+            if symmetric:
+                reachable, why = heap_reachable(self.group, device)
+                if not reachable and self._backend == "symmetric":
+                    raise RuntimeError(f"{name}: backend='symmetric' needs every rank to map "
+                                       f"every peer's memory: {why}")
+                symmetric = reachable
+            transport = (SymmetricLowLatency(self.group, self._low_latency_timeout_s)
+                         if symmetric else CollectiveLowLatency(self.group))
+            self._low_latency[str(device)] = transport
+        return transport
 
-    def low_latency_combine(self, *args, **kwargs):
-        """Not supported: DeepEP's low-latency mode is not supported yet."""
-        self._no_low_latency("low_latency_combine")
+    def _check_rdma_bytes(self, max_tokens: int, hidden: int, num_experts: int) -> None:
+        need = low_latency_size_hint(max_tokens, hidden, self.group_size, num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes={self.num_rdma_bytes} given to Buffer is less than "
+                             f"get_low_latency_rdma_size_hint({max_tokens}, {hidden}, "
+                             f"{self.group_size}, {num_experts}) = {need}")
 
-    def clean_low_latency_buffer(self, *args, **kwargs):
-        """Not supported: DeepEP's low-latency mode is not supported yet."""
-        self._no_low_latency("clean_low_latency_buffer")
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Restart the low-latency buffers (every rank must call it at the same point): the
+        next call takes slot 0, and handles of earlier dispatches become stale (combining
+        them raises). Not needed between normal and low-latency calls in epcomm (they share
+        no memory); kept for DeepEP code.
 
-    def get_next_low_latency_combine_buffer(self, *args, **kwargs):
-        """Not supported: DeepEP's low-latency mode is not supported yet."""
-        self._no_low_latency("get_next_low_latency_combine_buffer")
+        Args:
+            num_max_dispatch_tokens_per_rank, hidden, num_experts: as in
+                `low_latency_dispatch` (checked against `num_rdma_bytes`).
+        """
+        self._check_low_latency("clean_low_latency_buffer")
+        for name, value in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+                            ("hidden", hidden), ("num_experts", num_experts)):
+            if not (_is_int(value) and value > 0):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if num_experts % self.group_size:
+            raise ValueError(f"num_experts must be a multiple of the group size "
+                             f"{self.group_size}, got {num_experts}")
+        self._check_rdma_bytes(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        for transport in self._low_latency.values():
+            transport.clean()
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                             num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False,
+                             use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False):
+        """Send each token to the experts of its top-k slots, expert-major, without a host
+        sync (collective; every rank calls it with the same `M` and `E`).
+
+        `R` ranks, `E_l = E // R` local experts, `M` = `num_max_dispatch_tokens_per_rank`,
+        `T <= M` tokens here, `H` hidden, `K` top-k slots. docs/semantics.md ("Low-latency
+        mode") defines every output bit.
+
+        Args:
+            x: [T, H] bf16 tokens (H a multiple of 128 with `use_fp8`).
+            topk_idx: [T, K] int64 (`topk_idx_t`) or int32 global expert ids; -1 (or any id
+                outside [0, E)) selects no expert. A token with an expert twice sends one row.
+            num_max_dispatch_tokens_per_rank: M (> 0, >= T, the same on every rank).
+            num_experts: E, a positive multiple of R.
+            cumulative_local_expert_recv_stats: None or [E_l] int32; each call adds the rows
+                each local expert received.
+            dispatch_wait_recv_cost_stats: None or [R] int64; on CPU, each call adds the host
+                nanoseconds from issuing its messages to the arrival of each source rank's
+                (unchanged on CUDA, where waiting is stream-ordered).
+            use_fp8: cast to FP8 e4m3 with one fp32 scale per 128 channels while sending.
+            round_scale: scales rounded up to powers of two (with `use_fp8`).
+            use_ue8m0: scales as UE8M0 exponent bytes packed in int32 (needs `round_scale`).
+            async_finish: return an event to wait on (CUDA); not with `return_recv_hook`.
+            return_recv_hook: only issue the sends; the returned `hook()` receives.
+
+        Returns:
+            recv_x: [E_l, R * M, H] bf16, or with `use_fp8` a tuple (fp8 [E_l, R * M, H],
+                scales [E_l, R * M, H / 128] float32, or [E_l, R * M, ceil(H / 512)] int32
+                with `use_ue8m0`; column-major in the last two dims, for TMA). Expert `e`'s
+                rows are `[0, recv_count[e])`, ordered by source rank, then source token;
+                later rows are unspecified.
+            recv_count: [E_l] int32 rows per local expert.
+            handle: a `LowLatencyHandle`, DeepEP's `(src_info, layout_range, M, H, E)`.
+            event: an `EventOverlap` (empty unless `async_finish` on CUDA).
+            hook: with `return_recv_hook`, a callable that receives (call it before reading
+                the outputs, and before the next-but-one low-latency call); else None.
+
+        The outputs live in one of two alternating buffers: they stay valid until the
+        next-but-one low-latency call (dispatch or combine) of this buffer.
+        """
+        self._check_low_latency("low_latency_dispatch")
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        device = x.device
+        _check_tensor("x", x, (torch.bfloat16,), None, device, 2)
+        num_tokens, hidden = x.shape
+        _check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), (num_tokens, None),
+                      device)
+        if topk_idx.shape[1] == 0:
+            raise ValueError("topk_idx must have at least one column (top-k slot)")
+        max_tokens = num_max_dispatch_tokens_per_rank
+        if not (_is_int(max_tokens) and max_tokens > 0):
+            raise ValueError(f"num_max_dispatch_tokens_per_rank must be a positive int, "
+                             f"got {max_tokens!r}")
+        if num_tokens > max_tokens:
+            raise ValueError(f"x has {num_tokens} tokens, more than "
+                             f"num_max_dispatch_tokens_per_rank={max_tokens}")
+        num_ranks = self.group_size
+        if not (_is_int(num_experts) and num_experts > 0 and num_experts % num_ranks == 0):
+            raise ValueError(f"num_experts must be a positive multiple of the group size "
+                             f"{num_ranks}, got {num_experts!r}")
+        if hidden == 0:
+            raise ValueError("x must have a positive hidden size")
+        if use_fp8 and hidden % _FP8_BLOCK:
+            raise ValueError(f"x's hidden size must be a multiple of {_FP8_BLOCK} with "
+                             f"use_fp8=True, got {hidden}")
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale=True needs use_fp8=True")
+        if use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True (UE8M0 scales are powers "
+                             "of two)")
+        num_local = num_experts // num_ranks
+        if cumulative_local_expert_recv_stats is not None:
+            _check_tensor("cumulative_local_expert_recv_stats",
+                          cumulative_local_expert_recv_stats, (torch.int32,), (num_local,),
+                          device)
+        if dispatch_wait_recv_cost_stats is not None:
+            _check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
+                          (torch.int64,), (num_ranks,), device)
+        _check_hook_options(async_finish, return_recv_hook)
+        self._check_rdma_bytes(max_tokens, hidden, num_experts)
+        transport = self._low_latency_transport("low_latency_dispatch", device)
+        shape = LowLatencyShape(num_ranks=num_ranks, rank=self.rank, max_tokens=max_tokens,
+                                hidden=hidden, num_experts=num_experts,
+                                num_topk=topk_idx.shape[1], use_fp8=bool(use_fp8),
+                                use_ue8m0=bool(use_ue8m0))
+        recv_x, recv_count, handle, hook = transport.dispatch(
+            shape, x.contiguous(), topk_idx.contiguous(), masked=tuple(sorted(self._masked)),
+            round_scale=bool(round_scale), cumulative_stats=cumulative_local_expert_recv_stats,
+            wait_stats=dispatch_wait_recv_cost_stats, return_recv_hook=bool(return_recv_hook))
+        return recv_x, recv_count, handle, _finish_event(device, async_finish), hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
+                            topk_weights: torch.Tensor, handle: tuple, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Send expert outputs back to their tokens and reduce them with the top-k weights,
+        without a host sync (collective).
+
+        Args:
+            x: [E_l, R * M, H] bf16, the expert outputs in `recv_x`'s layout (rows past
+                `recv_count` are ignored); with `zero_copy`, only its shape is used and the
+                outputs are read from `get_next_low_latency_combine_buffer(handle)`.
+            topk_idx: [T, K] int64 or int32, the dispatch's `topk_idx` (which slots count is
+                decided by the dispatch's routing).
+            topk_weights: [T, K] float32 weights.
+            handle: the `LowLatencyHandle` of the dispatch (not stale: see the buffers note in
+                `low_latency_dispatch`).
+            use_logfmt: must be False (DeepEP's LogFMT combine format is not implemented).
+            zero_copy: read the expert outputs from the combine buffer (see `x`).
+            async_finish: return an event to wait on (CUDA); not with `return_recv_hook`.
+            return_recv_hook: only issue the sends; the returned `hook()` receives and reduces.
+            out: None or [T, H] bf16, written in place and returned.
+            combine_wait_recv_cost_stats: None or [R] int64, as `dispatch_wait_recv_cost_stats`.
+
+        Returns:
+            combined_x: [T, H] bf16, `bf16(acc)` with `acc = 0.0` (fp32) and, for `k = 0..K-1`
+                in order, for each slot dispatched to an unmasked rank,
+                `acc = acc + fp32(topk_weights[t, k] * fp32(expert output row))`.
+            event: an `EventOverlap` (empty unless `async_finish` on CUDA).
+            hook: with `return_recv_hook`, the receiving callable; else None.
+        """
+        self._check_low_latency("low_latency_combine")
+        shape, device = _low_latency_handle(handle)
+        transport = self._low_latency_transport("low_latency_combine", device)
+        if use_logfmt:
+            raise NotImplementedError("use_logfmt=True: DeepEP's LogFMT combine format is not "
+                                      "implemented by epcomm (combine sends bf16)")
+        _check_tensor("x", x, (torch.bfloat16,), (shape.num_local, shape.rows, shape.hidden),
+                      device)
+        num_tokens = transport.num_tokens(handle)
+        _check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32),
+                      (num_tokens, shape.num_topk), device)
+        _check_tensor("topk_weights", topk_weights, (torch.float32,),
+                      (num_tokens, shape.num_topk), device)
+        if out is not None:
+            _check_tensor("out", out, (torch.bfloat16,), (num_tokens, shape.hidden), device)
+            if not out.is_contiguous():
+                raise ValueError("out must be contiguous")
+        if combine_wait_recv_cost_stats is not None:
+            _check_tensor("combine_wait_recv_cost_stats", combine_wait_recv_cost_stats,
+                          (torch.int64,), (shape.num_ranks,), device)
+        _check_hook_options(async_finish, return_recv_hook)
+        combined, hook = transport.combine(
+            shape, x, topk_idx.contiguous(), topk_weights.contiguous(), handle,
+            masked=tuple(sorted(self._masked)), zero_copy=bool(zero_copy), out=out,
+            wait_stats=combine_wait_recv_cost_stats, return_recv_hook=bool(return_recv_hook))
+        return combined, _finish_event(device, async_finish), hook
+
+    def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:
+        """The [E_l, R * M, H] bf16 buffer the next `low_latency_combine(...,
+        zero_copy=True)` reads the expert outputs from (fill it, then combine; any other
+        low-latency call in between moves to the other buffer).
+
+        Args:
+            handle: the `LowLatencyHandle` of the dispatch to be combined.
+        """
+        shape, device = _low_latency_handle(handle)
+        transport = self._low_latency_transport("get_next_low_latency_combine_buffer", device)
+        return transport.zero_copy_buffer(shape, device)
+
+    def low_latency_check_errors(self) -> None:
+        """epcomm only: raise `epcomm.errors.EPTimeoutError` if a low-latency kernel gave up
+        waiting for a peer since the last check (reads a device flag back: a host sync; on CPU
+        every receive checks by itself). After a timeout the buffer is out of step with its
+        peers: make a new one."""
+        self._check_alive()
+        for device, transport in self._low_latency.items():
+            if isinstance(transport, SymmetricLowLatency):
+                transport.check_errors(torch.device(device))
+
+    def _check_mask_api(self, name: str) -> None:
+        self._check_alive()
+        if not self.enable_shrink:
+            raise RuntimeError(f"{name} requires Buffer(..., enable_shrink=True)")
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Mask (or unmask) a rank: later low-latency calls neither send to it nor wait for
+        it (its rows count as none, its experts' slots add nothing in combine). Every live
+        rank must mask the same ranks before the same call.
+
+        Args:
+            rank_to_mask: the rank, in [0, R).
+            mask: True to mask, False to unmask.
+        """
+        self._check_mask_api("low_latency_update_mask_buffer")
+        if not (_is_int(rank_to_mask) and 0 <= rank_to_mask < self.group_size):
+            raise ValueError(f"rank_to_mask must be an int in [0, {self.group_size}), "
+                             f"got {rank_to_mask!r}")
+        if mask:
+            self._masked.add(rank_to_mask)
+        else:
+            self._masked.discard(rank_to_mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Write the mask into `mask_status`: [R] int32, 1 for a masked rank, else 0."""
+        self._check_mask_api("low_latency_query_mask_buffer")
+        if not isinstance(mask_status, torch.Tensor):
+            raise TypeError(f"mask_status must be a torch.Tensor, "
+                            f"got {type(mask_status).__name__}")
+        _check_tensor("mask_status", mask_status, (torch.int32,), (self.group_size,),
+                      mask_status.device)
+        status = [1 if r in self._masked else 0 for r in range(self.group_size)]
+        mask_status.copy_(torch.tensor(status, dtype=torch.int32))
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmask every rank."""
+        self._check_mask_api("low_latency_clean_mask_buffer")
+        self._masked.clear()
 
     # -- layout --------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,

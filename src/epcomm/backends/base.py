@@ -109,8 +109,8 @@ class DispatchRequest:
     topk_idx: [T, K] int64 or int32; topk_weights: [T, K] fp32 or None.
     cached: a handle whose routing and layout are reused (no count exchange), or None.
     copy_topk_idx: the new handle must hold a copy of `topk_idx` (made on the comm stream).
-    key: the call shape of a sync-free dispatch without a handle (`checks.call_key`), under
-        which the backend may keep a `PreparedDispatch`; None for other calls.
+    key: the call shape of a dispatch without a handle (`checks.call_key`), under which the
+        backend may keep a `PreparedDispatch`; None for other calls.
     """
 
     rows: Sequence[torch.Tensor]
@@ -138,6 +138,7 @@ class DispatchResult:
     recv_topk_idx: Optional[torch.Tensor]
     recv_topk_weights: Optional[torch.Tensor]
     handle: EPHandle
+    flags_checked: bool = False  # the call read the error flag back and raised what it held
 
 
 class PreparedDispatch(Protocol):

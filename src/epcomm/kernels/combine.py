@@ -1,22 +1,25 @@
 """Combine in one kernel per rank (`combine_kernel`): its send part returns the rows this rank
 received, its reduce part sums what came back to this rank.
 
-Heap memory: the combine counters `[ready R | free R | count R]` (the count slots are unused:
-each source already knows which records it expects) and the combine staging region `[R, S]`,
-block d written only by rank d: record `d * S + p` holds what rank d returns for the p-th token
-this rank sent it, the bf16 row (H values) then, at word `weight_offset`, K fp32 weights.
+Heap memory: the combine counters `[ready R | free R | stamp R]` (no counts: each source already
+knows which records it expects; stamp[d]: rank d's stamp of the call, `kernels.sync`) and the
+combine staging region `[R, S]`, block d written only by rank d: record `d * S + p` holds what
+rank d returns for the p-th token this rank sent it, the bf16 row (H values) then, at word
+`weight_offset`, K fp32 weights.
 
 Send part (P programs, compact rows split into P chunks):
 1. wait until every source has reduced what this rank returned the call before (free);
 2. for compact row n, received from rank s as its p-th token: record `rank * S + p` of s's
    region gets the row `x[n]` (compact) or the fp32 sum, rounded once to bf16, of the rows
    `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights;
-3. add 1 to every source's ready counter (release).
+3. program 0 stores this call's stamp into every source's stamp slot; add 1 to every source's
+   ready counter (release).
 
-Reduce part (the same P programs, tokens split into P chunks): wait for every ready counter, then
-`combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot of each rank, in slot
-order)` in fp32 (docs/semantics.md), the weights of each slot from its rank's record; add 1 to
-every peer's free counter.
+Reduce part (the same P programs, tokens split into P chunks): wait for every ready counter and
+check the stamps (a peer out of step or whose call had weights where this one has none, or the
+reverse, is flagged), then `combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot
+of each rank, in slot order)` in fp32 (docs/semantics.md), the weights of each slot from its
+rank's record (a NaN weight as the canonical quiet NaN); add 1 to every peer's free counter.
 """
 from __future__ import annotations
 
@@ -30,7 +33,8 @@ import triton.language as tl
 from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, program_chunk, sum_along)
 from .launcher import KernelShape, Launcher, Stage, aligned
-from .sync import COMBINE_TIMEOUT, add_counters, await_counters, own_counters, peer_counters
+from .sync import (COMBINE_TIMEOUT, add_counters, await_counters, call_signature, own_counters,
+                   peer_counters, stamp, stamped_words)
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
 
@@ -60,9 +64,9 @@ def half_ptrs(addr, VEC: tl.constexpr):
 @triton.jit
 def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
-                 weights_ptr, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
+                 weights_ptr, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """Steps 1-3 of the send part (module docstring); returns the call number."""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -73,7 +77,7 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     call = tl.atomic_add(sync_ptr + SYNC_COMBINE, 1, sem="relaxed", scope="gpu") \
         // num_programs + 1
     await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout, USE_TIMER)
+                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
 
     psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
@@ -122,6 +126,9 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                               mask=flag_mask(hmask, has_w), other=0)
         tl.store(i32_ptr(rec)[:, None] + weight_offset + kk[None, :], weights,
                  mask=flag_mask(hmask, has_w))
+    if tl.program_id(0) == 0:
+        tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
+                 stamp(signature, call), mask=rmask)
     add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
     return call
 
@@ -129,9 +136,9 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 @triton.jit
 def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
                  weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
-                 out_ptr, w_out, has_w, hidden, error_ptr, timeout, K: tl.constexpr,
+                 out_ptr, w_out, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """The reduce part (module docstring) of call number `call`: the one this program's send
     part computed. (Reading the call counter here instead would race with programs of this
     launch that have not added to it yet.)"""
@@ -141,8 +148,11 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     hidden = tl.multiple_of(hidden, VEC)
-    await_counters(own_counters(bases_ptr, rank, flags_offset, rr), rmask, call * num_programs,
-                   error_ptr, COMBINE_TIMEOUT, timeout, USE_TIMER)
+    ready = own_counters(bases_ptr, rank, flags_offset, rr)
+    await_counters(ready, rmask, call * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
+    # Peers out of step or with other arguments are flagged (their rows are still summed).
+    stamped_words(ready, own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr),
+                  rr, rmask, call, num_programs, signature, error_ptr)
 
     base = tl.load(bases_ptr + rank) + region_offset
     begin, end = program_chunk(num_tokens)
@@ -182,6 +192,8 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record
             rec = i32_ptr(base + tl.maximum(slots, 0).to(tl.int64) * record_words * 4)
             weights = tl.load(rec + weight_offset + kk[None, :], mask=hmask & (slots >= 0),
                               other=0)
+            # fp32 bits; a NaN becomes the canonical quiet NaN (docs/semantics.md, NaN).
+            weights = tl.where((weights & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, weights)
             tl.store(w_out + t64[:, None] * K + kk[None, :], weights, mask=hmask)
     add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask), rmask)
 
@@ -189,21 +201,21 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
     "weight_offset", "expand", "has_w", "num_tokens", "num_biases", "has_w_out", "hidden",
-    "timeout"])
+    "timeout", "signature"])
 def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                    record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
                    weights_ptr, has_w, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
-                   out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, K: tl.constexpr,
-                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                   VEC: tl.constexpr, BLOCK_H: tl.constexpr, USE_TIMER: tl.constexpr):
+                   out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature,
+                   K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                   ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     call = _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                         record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr,
-                        expand, weights_ptr, has_w, hidden, error_ptr, timeout, K, BLOCK_K,
-                        BLOCK_R, ROWS, VEC, BLOCK_H, USE_TIMER)
+                        expand, weights_ptr, has_w, hidden, error_ptr, timeout, signature, K,
+                        BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
     _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
                  weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
-                 out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, K, BLOCK_K, BLOCK_R,
-                 ROWS, VEC, BLOCK_H, USE_TIMER)
+                 out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature, K, BLOCK_K,
+                 BLOCK_R, ROWS, VEC, BLOCK_H)
 
 
 
@@ -242,7 +254,8 @@ def arguments(stage: Stage, layout: CombineLayout, sync, rank_psum, metadata, x,
                 bias1_ptr=bias1.view(torch.int16), num_biases=len(biases),
                 out_ptr=out.view(torch.int16),
                 w_out=weights_out.view(torch.int32) if has_w_out else slots,
-                has_w_out=int(has_w_out), hidden=x.shape[1], error_ptr=error, timeout=timeout)
+                has_w_out=int(has_w_out), hidden=x.shape[1], error_ptr=error, timeout=timeout,
+                signature=call_signature(int(has_w)))
 
 
 def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_psum, metadata,

@@ -4,7 +4,8 @@ second launch, after the host has sized the outputs).
 
 Heap memory they use (byte offsets passed in; see `epcomm.backends.symmetric`):
 - the dispatch counters `[ready R | free R | count R]` (int64, `kernels.sync`): ready[s] and
-  count[s] are written by source s, free[d] by destination d;
+  count[s] are written by source s, free[d] by destination d; count[s] holds the count ORed
+  with source s's stamp of the call (`sync.stamp`);
 - the staging region: `[R, S]` records (S = the buffer's max tokens per rank); block s is
   written only by source s, record `s * S + p` holds the p-th token that s sends here. A record is
   int32 words (`RecordLayout`): source token index, K global expert ids (-1 for no slot), K
@@ -17,11 +18,14 @@ Send part (P programs, the tokens split into P contiguous chunks):
    counts: positions follow token order, deterministic by construction;
 3. wait until every destination has released what this rank pushed the call before (free);
 4. write every record, loading each payload row once and storing it to each destination;
-5. program 0 stores the counts into the destinations' count slots; every program adds 1 to each
-   destination's ready counter (release), so a receiver waits for `call * P`.
+5. program 0 stores the counts, each with the call's stamp, into the destinations' count slots;
+   every program adds 1 to each destination's ready counter (release), so a receiver waits for
+   `call * P`.
 
 Receive part (the same P programs, the received rows split into P chunks):
-1. wait until every source's ready counter reaches `call * P`, read the counts;
+1. wait until every source's ready counter reaches `call * P`, read the counts: a source whose
+   counter went past this call or whose stamp differs counts as empty (flagged,
+   `sync.stamped_words`);
 2. per compact row (source-major, then position): local ids, weights, source metadata and, in the
    compact layout, the payload; per group of a few rows, its pairs per local expert (atomics
    into the group's counts) and each pair's rank among the group's earlier pairs of its
@@ -52,7 +56,8 @@ from .common import (columns, copy_rows, exclusive_rows, flag_mask, i32_ptr, max
                      program_chunk, running_total, sum_along, total, word_ptrs)
 from .launcher import KernelShape, Launcher, Stage, aligned, next_power_of_2
 from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE_OVERFLOW,
-                   add_counters, await_counters, grid_barrier, own_counters, peer_counters)
+                   add_counters, await_counters, call_signature, grid_barrier, own_counters,
+                   peer_counters, stamp, stamped_words)
 
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
 
@@ -147,9 +152,9 @@ def _push_field(src, num_words, field_offset, bases_ptr, region_offset, first_sl
 def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr, num_tokens,
                num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
-               w1, off1, slot_out, error_ptr, timeout, K: tl.constexpr, BLOCK_K: tl.constexpr,
-               BLOCK_R: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
-               BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
+               w1, off1, slot_out, error_ptr, timeout, signature, K: tl.constexpr,
+               BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+               VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -176,7 +181,7 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
     tl.store(counts_scratch + pid * BLOCK_R + rr, sent_here)
     if bad > 0:
         tl.atomic_or(error_ptr, INVALID_EXPERT_ID)
-    call = grid_barrier(sync_ptr + 0, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
+    call = grid_barrier(sync_ptr + 0, error_ptr, DISPATCH_TIMEOUT, timeout)
 
     # phase-mark: send-grid-barrier
     # 2. This chunk's first position per destination, and every destination's total.
@@ -188,7 +193,7 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
 
     # 3. Every destination has copied out what this rank pushed the call before.
     await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                   (call - 1) * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
+                   (call - 1) * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout)
 
     # phase-mark: send-peers-freed
     # 4. Per tile of tokens: positions (to the scratch, whose rows the stores below read one
@@ -230,11 +235,12 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
                     VEC, BLOCK_W)
 
     # phase-mark: send-records-pushed
-    # 5. Counts, then this program's share of every destination's ready counter.
+    # 5. Counts with this call's stamp, then this program's share of every destination's ready
+    # counter.
     tl.debug_barrier()
     if pid == 0:
         tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
-                 sent_total.to(tl.int64), mask=rmask)
+                 sent_total.to(tl.int64) | stamp(signature, call), mask=rmask)
     add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
 
 
@@ -318,10 +324,10 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                   num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
-                  K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                  signature, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
                   BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
                   GROUP: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
-                  USE_TIMER: tl.constexpr, BLOCK_P: tl.constexpr):
+                  BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -330,15 +336,14 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
     kmask = kk < K
     ee = tl.arange(0, BLOCK_E)
 
-    # 1. Every source's records of this call have arrived; their counts.
+    # 1. Every source's records of this call have arrived; their counts. Late sources, sources
+    # out of step and sources whose call had other arguments (their stamps) count as empty.
     ready = own_counters(bases_ptr, rank, flags_offset, rr)
-    # Late sources count as empty.
-    await_counters(ready, rmask, call * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout,
-                   USE_TIMER)
-    arrived = tl.atomic_add(ready, 0, mask=rmask, sem="acquire", scope="sys") \
-        >= call * num_programs
-    counts = tl.load(own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr),
-                     mask=rmask & arrived, other=0, volatile=True).to(tl.int32)
+    await_counters(ready, rmask, call * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout)
+    words = stamped_words(
+        ready, own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr), rr, rmask,
+        call, num_programs, signature, error_ptr)
+    counts = (words & 0xFFFFFFFF).to(tl.int32)
     received = total(counts)
     if received > out_rows:  # only if ranks passed different num_max_tokens_per_rank
         tl.atomic_or(error_ptr, RECEIVE_OVERFLOW)  # rows past the outputs are dropped
@@ -412,7 +417,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                 tl.store(w_out + n64[:, None] * K + kk[None, :], weights,
                          mask=flag_mask(hmask, has_w))
     # phase-mark: receive-rows-copied
-    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
+    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout)
 
     # phase-mark: receive-grid-barrier
     # 3. Each program owns a contiguous share of the experts: for each, the group counts
@@ -430,7 +435,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
             carry += total(per_group)
         tl.store(expert_count_out + e, carry)
     # phase-mark: receive-expert-totals
-    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout, USE_TIMER)
+    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout)
     # phase-mark: receive-grid-barrier-2
     # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned first
     # row, and the alignment gaps of the experts e % P == pid.
@@ -526,11 +531,11 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
 
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
-    "timeout", "do_send", "do_receive", "num_tokens", "num_experts", "copy_idx", "has_w", "w0",
-    "off0", "w1", "off1", "barrier_slot", "max_tokens", "num_local", "alignment", "capacity",
+    "timeout", "signature", "do_send", "do_receive", "num_tokens", "num_experts", "copy_idx",
+    "has_w", "w0", "off0", "w1", "off1", "barrier_slot", "max_tokens", "num_local", "alignment", "capacity",
     "out_rows", "full", "expand", "zero_padding", "tail", "has_w_out", "v0", "o0", "v1", "o1"])
 def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                    record_words, sync_ptr, error_ptr, timeout, do_send, do_receive,
+                    record_words, sync_ptr, error_ptr, timeout, signature, do_send, do_receive,
                     counts_scratch, pos_scratch, idx_ptr, num_tokens, num_experts, idx_copy,
                     copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out,
                     barrier_slot, hist_ptr, max_tokens, num_local, alignment, capacity,
@@ -539,15 +544,14 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_T: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
-                    VEC: tl.constexpr, BLOCK_W: tl.constexpr, USE_TIMER: tl.constexpr,
-                    BLOCK_P: tl.constexpr):
+                    VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                    record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr,
                    num_tokens, num_experts, idx_copy, copy_idx, weights_ptr, has_w,
-                   p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, K,
-                   BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, USE_TIMER, BLOCK_P)
+                   p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, signature,
+                   K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, BLOCK_P)
     # The send barrier's counter (slot SYNC_SEND) is P per call once every program has passed
     # it: here in this launch's send part, or in an earlier launch of this stream. (Returning
     # the send part's number instead, merged from two branches, cost the copies their 16-byte
@@ -558,9 +562,9 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       record_words, sync_ptr, call, barrier_slot, hist_ptr, max_tokens,
                       num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
                       idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
-                      expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout, K,
-                      BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, GROUP, ROWS, VEC, BLOCK_W,
-                      USE_TIMER, BLOCK_P)
+                      expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout,
+                      signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, GROUP, ROWS, VEC,
+                      BLOCK_W, BLOCK_P)
 
 
 def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
@@ -573,10 +577,14 @@ def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
     return topk_idx.dtype, idx_out_dtype
 
 
-def launcher(shape: KernelShape, layout: RecordLayout) -> Launcher:
-    """The `Launcher` of `dispatch_kernel` for records of `layout`."""
+def launcher(shape: KernelShape, layout: RecordLayout, max_rows: int) -> Launcher:
+    """The `Launcher` of `dispatch_kernel` for records of `layout`, receiving up to `max_rows`
+    rows (R * S): an expert's prefix over the groups takes one step when they fit `_BLOCK_T`,
+    in a block no wider than the groups there can be."""
+    groups = num_groups(shape.programs, shape.rows, max_rows)
     return shape.launcher(dispatch_kernel, BLOCK_M=next_power_of_2(layout.num_topk + 2),
-                          BLOCK_E=_BLOCK_E, BLOCK_T=_BLOCK_T, GROUP=rank_group(shape.rows))
+                          BLOCK_E=_BLOCK_E, BLOCK_T=min(_BLOCK_T, next_power_of_2(groups)),
+                          GROUP=rank_group(shape.rows))
 
 
 def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
@@ -605,11 +613,13 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
                 **_fields(rows, layout, ("p0_ptr", "w0", "off0", "p1_ptr", "w1", "off1")))
 
 
-# Experts per step of the receive-side scan (E_l <= 256 takes one step on the GPU) and groups
-# per step of an expert's prefix over the groups (DeepSeek-V3 at EP=1: 132 programs x 63
-# groups of 4 rows, 5 steps; 8192 in 2 steps measured 94.5 us instead of 88.8 for the compact
-# dispatch on the H200: 255 registers). Small under the interpreter, whose scans cost about
-# 80 us per element.
+# Experts per step of the receive-side scan (E_l <= 256 takes one step on the GPU) and at most
+# this many groups per step of an expert's prefix over the groups (DeepSeek-V3 at EP=1: 132
+# programs x 63 groups of 4 rows, 5 steps; 8192 in 2 steps measured 94.5 us instead of 88.8 for
+# the compact dispatch on the H200: 255 registers; a buffer with fewer groups scans a block
+# of just its groups: each program scans E_l / P experts one after another, and at 128 tokens
+# a 2048-wide scan per expert took 33 of the kernel's 58 us). Small under the interpreter,
+# whose scans cost about 80 us per element.
 _BLOCK_E = 16 if INTERPRET else 256
 _BLOCK_T = 16 if INTERPRET else 2048
 # Rows per rank group: the group's K * rows pairs are compared all with all, so the cost per
@@ -627,9 +637,14 @@ def hist_scratch_words(programs: int, rows: int, max_rows: int, num_local: int,
     """int32 words of the receive part's scratch for P `programs`, tiles of `rows` rows, up to
     `max_rows` received rows and `num_local` experts: a first-row row per program, the group
     counts of every expert, then a rank per (row, slot) pair."""
+    return num_local * (programs + num_groups(programs, rows, max_rows)) + max_rows * num_topk
+
+
+def num_groups(programs: int, rows: int, max_rows: int) -> int:
+    """Rank groups of the receive part for P `programs`, tiles of `rows` rows and up to
+    `max_rows` received rows (each program's share of the rows, rounded up to whole groups)."""
     chunk = -(-max_rows // programs)  # rows per program, rounded up
-    groups = programs * -(-chunk // rank_group(rows))
-    return num_local * (programs + groups) + max_rows * num_topk
+    return programs * -(-chunk // rank_group(rows))
 
 
 def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
@@ -669,10 +684,14 @@ def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
 
 def arguments(stage: Stage, layout: RecordLayout, sync, error, timeout: int, send: dict,
               receive: dict, *, do_send: bool = True, do_receive: bool = True) -> dict:
-    """Every argument of one launch of `dispatch_kernel` by name (its constexprs excepted)."""
+    """Every argument of one launch of `dispatch_kernel` by name (its constexprs excepted).
+    The stamps' signature covers what every rank's call must agree on: num_experts,
+    num_max_tokens_per_rank, the record layout (bf16 or FP8 rows) and whether weights travel."""
+    signature = call_signature(send["num_experts"], receive["max_tokens"], layout.words,
+                               *layout.payload_words, send["has_w"])
     return dict(stage.fields, record_words=layout.words, sync_ptr=sync, error_ptr=error,
-                timeout=timeout, do_send=int(do_send), do_receive=int(do_receive), **send,
-                **receive)
+                timeout=timeout, signature=signature, do_send=int(do_send),
+                do_receive=int(do_receive), **send, **receive)
 
 
 def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, timeout: int,
@@ -683,7 +702,7 @@ def run(shape: KernelShape, stage: Stage, layout: RecordLayout, sync, error, tim
     dtypes the warmed-up variant has: pass the same `send` again for a receive-only launch).
     sync: the int64 sync tensor; error: the int32 error flag; timeout: `sync.timeout_units`;
     variant: `variant(...)` of the launch's tensors (None: the generic path); kernel:
-    `launcher(shape, layout)`, if the caller keeps it."""
-    kernel = kernel or launcher(shape, layout)
+    `launcher(shape, layout, R * S)`, if the caller keeps it."""
+    kernel = kernel or launcher(shape, layout, shape.num_ranks * stage.stride_tokens)
     kernel(variant, stream, arguments(stage, layout, sync, error, timeout, send, receive,
                                       do_send=do_send, do_receive=do_receive))

@@ -230,7 +230,6 @@ class KernelShape:
     rows: int
     programs: int
     num_warps: int
-    use_timer: bool
     # (kernel, width, extra constants) -> Launcher; not part of the shape's identity.
     launchers: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -239,8 +238,7 @@ class KernelShape:
         `Launcher` passes a kernel only the constants it has)."""
         return {"K": self.num_topk, "BLOCK_K": next_power_of_2(self.num_topk),
                 "BLOCK_R": self.block_r, "BLOCK_P": self.block_p, "ROWS": self.rows,
-                "VEC": self.vec, width: self.block_w, "USE_TIMER": self.use_timer,
-                "num_warps": self.num_warps}
+                "VEC": self.vec, width: self.block_w, "num_warps": self.num_warps}
 
     @property
     def block_r(self) -> int:

@@ -20,10 +20,12 @@ allocation), `plans` (prepared calls: a sync-free dispatch or a combine of one c
 launched from an argument template), `warmup` (every kernel variant compiled and loaded when
 the backend is made), `backend` (`SymmetricBackend`).
 
-A wait that runs past the buffer's timeout sets the stage's timeout bit of `errors` in the device
-error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the rank and stage,
-a sync-free one leaves it for `Buffer.check_errors()`. After a timeout the ranks' counters
-disagree: the buffer cannot be used again.
+A wait that runs past the buffer's timeout (wall-clock) sets the stage's timeout bit of `errors`
+in the device error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the
+rank, the stage and the timeout, a sync-free one leaves it for `Buffer.check_errors()`. Each
+call's signals carry a stamp (its arguments and call number, `kernels.sync`): a peer out of step
+or whose call had other arguments is flagged, and its rows are not mixed in. After a timeout or
+a peer out of step the ranks' counters disagree: `Buffer` marks itself broken.
 
 Results are bitwise those of the collective backend (docs/semantics.md).
 """

@@ -2,6 +2,7 @@
 each call (the general path, with tensors; prepared calls per call shape, see `plans`)."""
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Hashable, Optional
 
@@ -22,7 +23,8 @@ from ..base import (Backend, BufferConfig, CombineRequest, DispatchRequest, Disp
 from .blocks import BlockLayout, TensorBlock
 from .heap import SymmetricHeap, all_gather_objects, heap_layout, heap_reachable
 from .heap import payload_words as hidden_payload_words
-from .plans import CombinePlan, DispatchPlan, OutputShapes, Scratch
+from .plans import (CombinePlan, Counts, DispatchPlan, HostRead, OutputSpec, Scratch,
+                    SyncDispatchPlan)
 from .warmup import warm_up
 
 _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, counting pass)
@@ -34,6 +36,11 @@ _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, cou
 # 128 that 16 warps allow.
 _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=1024,
                  combine_warps=16)
+# Tokens per program of the default grid. At 128 tokens (EP=1, hidden 7168, top-8, 256
+# experts, H200) the kernels' fixed costs shrink with more programs up to about 32: dispatch
+# compact / expand 39.3 / 78.1 us of kernel time on 8 programs (one per 16 tokens), 23.6 / 44.0
+# on 32; 64 programs traced no faster than 32. 4096 tokens take every SM either way.
+_TOKENS_PER_PROGRAM = 4
 _CPU_TILE = dict(rows=4, block_w=64, num_warps=1, combine_rows=4, block_h=64, combine_warps=1)
 
 
@@ -89,23 +96,23 @@ class SymmetricBackend(Backend):
         if not ok:
             raise RuntimeError(f"the symmetric backend cannot run here: {why}")
         self.hidden, self.num_topk = config.hidden, config.num_topk
-        self.timeout = timeout_units(config.timeout_s, INTERPRET)
+        self.timeout = timeout_units(config.timeout_s)
         programs = self._programs(config.num_sms)
         if len(set(all_gather_objects(programs, group))) != 1:
             raise ValueError("num_sms must be the same on every rank of the group")
         self._num_sms = programs
 
         R, S, H, K = self.num_ranks, config.num_max_tokens_per_rank, self.hidden, self.num_topk
+        self.max_rows = R * S  # compact rows a dispatch can receive
         bf16_words, fp8_words = hidden_payload_words(H)
         self.combine_layout = combine_kernels.CombineLayout(H, K)
         tile = _GPU_TILE if self.device.type == "cuda" else _CPU_TILE
-        use_timer = not INTERPRET
         self.shape = KernelShape(R, K, _vector_words([*bf16_words, *fp8_words], 4),
                                  min(tile["block_w"], _block(H // 2)), tile["rows"], programs,
-                                 tile["num_warps"], use_timer)
+                                 tile["num_warps"])
         self.combine_shape = KernelShape(R, K, _vector_words([H], 8),
                                          min(tile["block_h"], _block(H)), tile["combine_rows"],
-                                         programs, tile["combine_warps"], use_timer)
+                                         programs, tile["combine_warps"])
 
         flags, dispatch_region, combine_region, nbytes = heap_layout(R, S, H, K)
         self.heap = SymmetricHeap(group, nbytes, self.device)
@@ -119,6 +126,7 @@ class SymmetricBackend(Backend):
         self.counts_scratch = torch.zeros(programs * self.shape.block_r, dtype=i32, device=dev)
         self.pos_scratch = torch.zeros(S * R, dtype=i32, device=dev)
         self.hist = Scratch(dev)  # the receive part's, grown for the most local experts seen
+        self.host_read = HostRead(dev)  # a synchronizing dispatch's one read of its counts
         self._layouts: dict = {}  # payload words -> (RecordLayout, its dispatch Launcher)
         self.combine_launcher = combine_kernels.launcher(self.combine_shape)
         self._block_layouts: dict = {}  # see `_block_layout`
@@ -134,23 +142,22 @@ class SymmetricBackend(Backend):
         return self._num_sms
 
     def _programs(self, num_sms: Optional[int]) -> int:
-        """P, the programs of every kernel: `num_sms` if given, else one per 16 tokens up to the
-        SM count (each program then moves at least 16 rows per kernel). Every program of a launch
-        must be resident at once (grid barriers), so at most the SM count; 1 under the
-        interpreter, which runs programs one after another."""
+        """P, the programs of every kernel: `num_sms` if given, else one per
+        `_TOKENS_PER_PROGRAM` tokens up to the SM count. Every program of a launch must be
+        resident at once (grid barriers), so at most the SM count; 1 under the interpreter,
+        which runs programs one after another."""
         if INTERPRET or self.device.type != "cuda":
             return 1
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if num_sms is None:
-            num_sms = -(-self.config.num_max_tokens_per_rank // 16)
+            num_sms = -(-self.config.num_max_tokens_per_rank // _TOKENS_PER_PROGRAM)
         return max(1, min(int(num_sms), sms))
 
     def receive_scratch(self, num_local: int, stream=None) -> torch.Tensor:
         """The receive part's scratch for `num_local` experts (grown on `stream`, the one the
         kernel runs on, when too small)."""
         return self.hist.at_least(dispatch_kernels.hist_scratch_words(
-            self._num_sms, self.shape.rows, self.num_ranks * self.config.num_max_tokens_per_rank,
-            num_local, self.num_topk), stream)
+            self._num_sms, self.shape.rows, self.max_rows, num_local, self.num_topk), stream)
 
     def error_flags(self) -> torch.Tensor:
         return self.flags
@@ -158,12 +165,17 @@ class SymmetricBackend(Backend):
     def destroy(self) -> None:
         self.heap.destroy()
 
-    def _raise_on_timeout(self, stage: str) -> None:
-        flags = int(self.flags.item())
-        if flags & errors.WAIT_TIMEOUT:
-            self.flags.bitwise_and_(~errors.WAIT_TIMEOUT)
-            raise errors.EPTimeoutError(f"rank {self.rank}: {stage}: a peer did not arrive "
-                                        f"within {self.config.timeout_s} s")
+    def _raise_flags(self, stage: str, bits: int, flags: Optional[int] = None) -> None:
+        """Raise (and clear) the error flag's `bits` that are set in `flags` (None: read the
+        flag back): `errors.flags_error`'s exception for them."""
+        if flags is None:
+            flags = int(self.flags.item())
+        if not flags & bits:
+            return
+        # (with the peer that `kernels.sync.stamped_words` recorded, if any)
+        flags &= bits | -(1 << errors.MISMATCH_PEER_SHIFT)
+        self.flags.bitwise_and_(~flags)
+        raise errors.flags_error(flags, f"rank {self.rank}: {stage}", self.config.timeout_s)
 
     # -- dispatch --------------------------------------------------------------------------
     def _record_layout(self, rows) -> tuple[RecordLayout, Launcher]:
@@ -172,7 +184,8 @@ class SymmetricBackend(Backend):
         entry = self._layouts.get(words)
         if entry is None:
             layout = RecordLayout(self.num_topk, words)
-            entry = self._layouts[words] = layout, dispatch_kernels.launcher(self.shape, layout)
+            entry = self._layouts[words] = layout, dispatch_kernels.launcher(
+                self.shape, layout, self.max_rows)
         return entry
 
     def _block_layout(self, num_tokens: int, num_local: int, num_rows: Optional[int],
@@ -236,36 +249,36 @@ class SymmetricBackend(Backend):
         send = dispatch_kernels.send_phase(
             self.counts_scratch, self.pos_scratch, topk_idx, E, weights, rows, layout,
             block.arg("dst_buffer_slot_idx"), block.arg("topk_idx") if copy else None)
-        counts_list = None
+        counts = None
         if num_rows is None:
             # Send and count in one launch, size the outputs on the host, then receive.
             count_variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32)
-            launcher(count_variant, stream, dispatch_kernels.arguments(
-                self.dispatch_stage, layout, self.sync, self.flags, self.timeout, send,
-                dispatch_kernels.receive_phase(
-                    hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
-                    zero_padding=False, tail=False, idx_out=None, weights_out=None,
-                    metadata=block.arg("dst_buffer_slot_idx"), rows_out=[],
-                    **self._receive_parts(request, block))))
-            num_rows = block["psum_num_recv_tokens_per_scaleup_rank"][-1].item()  # the host sync
-            self._raise_on_timeout("dispatch")
-            counts_list = [align_up(c, align) for c in
-                           block["num_unaligned_recv_tokens_per_expert"].tolist()]
-            num_expanded = sum(counts_list) if expand else 0
+            launcher(count_variant, stream,
+                     self._count_arguments(request, layout, block, send, hist))
+            counts = self._read_counts(block.block, stream, block_layout, align)  # the host sync
+            # A timeout or a peer out of step now (the receive launch would wait again); the
+            # rest (a peer's call differed, ...) after it, which frees the peers' records.
+            self._raise_flags("dispatch", errors.FAULT, counts.flags)
+            num_rows = counts.num_rows
+            num_expanded = sum(counts.per_expert) if expand else 0
             block.extra["recv_src_metadata"] = alloc.empty((num_rows, K + 2), torch.int32)
             sent = True
         else:
             sent = False
-        recv_rows, recv_weights, local_idx = self._outputs(request, num_rows, num_expanded)
+        recv_rows, recv_weights, local_idx = self._output_spec(request).allocate(
+            alloc, num_rows, num_expanded)
         launcher(variant, stream, self._receive_arguments(
             request, layout, block, send, hist, num_rows, num_expanded, recv_rows, recv_weights,
             local_idx, do_send=not sent))
         if cached is not None:
             return DispatchResult(recv_rows, local_idx, recv_weights, cached)
-        handle = EPHandle(block, counts_list, **self._handle_fields(request, num_rows,
-                                                                     num_expanded),
-                          backend_state=block)
-        return DispatchResult(recv_rows, local_idx, recv_weights, handle)
+        if counts is not None:
+            self._raise_flags("dispatch", -1, counts.flags)  # (after the peers' records are freed)
+        handle = EPHandle(block, None if counts is None else counts.per_expert,
+                          **self._handle_fields(request), num_recv_tokens=num_rows,
+                          num_expanded_tokens=num_expanded, backend_state=block)
+        return DispatchResult(recv_rows, local_idx, recv_weights, handle,
+                              flags_checked=counts is not None)
 
     def _capacity(self, request: DispatchRequest) -> tuple[int, int]:
         """(compact rows, expand rows) of a sync-free dispatch's outputs (contract section 2)."""
@@ -274,23 +287,10 @@ class SymmetricBackend(Backend):
                                        request.expert_alignment) if request.do_expand else 0
         return R * M, num_expanded
 
-    def _output_shapes(self, request: DispatchRequest, num_rows: int,
-                       num_expanded: int) -> OutputShapes:
-        K, expand = self.num_topk, request.do_expand
-        out_rows = num_expanded if expand else num_rows
-        return OutputShapes(
-            tuple(((out_rows, *row.shape[1:]), row.dtype) for row in request.rows),
-            None if request.topk_weights is None else
-            ((out_rows,) if expand else (out_rows, K), torch.float32),
-            None if expand else ((num_rows, K), request.topk_idx.dtype))
-
-    def _outputs(self, request: DispatchRequest, num_rows: int, num_expanded: int) -> tuple:
-        """(received payload rows, received weights or None, local ids or None (expand))."""
-        alloc, shapes = request.alloc, self._output_shapes(request, num_rows, num_expanded)
-        recv_rows = [alloc.empty(shape, dtype) for shape, dtype in shapes.rows]
-        recv_weights = None if shapes.weights is None else alloc.empty(*shapes.weights)
-        local_idx = None if shapes.idx is None else alloc.empty(*shapes.idx)
-        return recv_rows, recv_weights, local_idx
+    def _output_spec(self, request: DispatchRequest) -> OutputSpec:
+        return OutputSpec(tuple((tuple(row.shape[1:]), row.dtype) for row in request.rows),
+                          request.topk_weights is not None, request.topk_idx.dtype,
+                          self.num_topk, request.do_expand)
 
     def _receive_parts(self, request: DispatchRequest, block: TensorBlock) -> dict:
         """The receive phase's arguments common to both passes of a dispatch."""
@@ -300,6 +300,17 @@ class SymmetricBackend(Backend):
                     rank_psum=block.arg("psum_num_recv_tokens_per_scaleup_rank"),
                     expert_counts=block.arg("num_unaligned_recv_tokens_per_expert"),
                     expert_psum=block.arg("psum_num_recv_tokens_per_expert"))
+
+    def _count_arguments(self, request: DispatchRequest, layout: RecordLayout,
+                         block: TensorBlock, send: dict, hist) -> dict:
+        """The arguments of a synchronizing dispatch's first launch: send, then count."""
+        return dispatch_kernels.arguments(
+            self.dispatch_stage, layout, self.sync, self.flags, self.timeout, send,
+            dispatch_kernels.receive_phase(
+                hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
+                zero_padding=False, tail=False, idx_out=None, weights_out=None,
+                metadata=block.arg("dst_buffer_slot_idx"), rows_out=[],
+                **self._receive_parts(request, block)))
 
     def _receive_arguments(self, request: DispatchRequest, layout: RecordLayout,
                            block: TensorBlock, send: dict, hist, num_rows: int,
@@ -316,35 +327,50 @@ class SymmetricBackend(Backend):
         return dispatch_kernels.arguments(self.dispatch_stage, layout, self.sync, self.flags,
                                           self.timeout, send, receive, do_send=do_send)
 
-    def _handle_fields(self, request: DispatchRequest, num_rows: int, num_expanded: int) -> dict:
-        """The `EPHandle` fields of a dispatch but its tensors and host counts."""
+    def _handle_fields(self, request: DispatchRequest) -> dict:
+        """The `EPHandle` fields of a dispatch but its tensors and its row counts."""
         return dict(num_experts=request.num_experts, expert_alignment=request.expert_alignment,
                     num_max_tokens_per_rank=request.num_max_tokens_per_rank,
                     do_expand=request.do_expand, do_cpu_sync=request.do_cpu_sync,
-                    num_recv_tokens=num_rows, num_expanded_tokens=num_expanded,
                     buffer_id=self.config.buffer_id, num_tokens=request.topk_idx.shape[0],
                     hidden=self.hidden, num_sms=self._num_sms)
 
-    def _prepare(self, request: DispatchRequest) -> Optional[DispatchPlan]:
-        """The prepared call of this sync-free call's shape: the launch's arguments built by
-        the same code as every other launch's, with an `Address` stand-in for each tensor, in
-        the plan's slot order. None if the kernel variant is not kept (under the interpreter,
-        or after the compiled launcher rejected a launch)."""
+    def _read_counts(self, block: torch.Tensor, stream, layout: BlockLayout,
+                     alignment: int) -> Counts:
+        """A counting pass's results in one host read: the handle block's words from the
+        per-source prefix to the end of the per-expert counts (they lie in that order), and
+        the error flag."""
+        psum_at = layout.parts["psum_num_recv_tokens_per_scaleup_rank"][0]
+        at, (num_local,), _ = layout.parts["num_unaligned_recv_tokens_per_expert"]
+        words = self.host_read([block[psum_at:at + num_local], self.flags.view(1)], stream)
+        return Counts(words[self.num_ranks - 1],
+                      [align_up(count, alignment) for count in words[at - psum_at:-1]],
+                      words[-1])
+
+    def _prepare(self, request: DispatchRequest):
+        """The prepared call of this call's shape (`DispatchPlan`, or `SyncDispatchPlan` with
+        `do_cpu_sync`): the launches' arguments built by the same code as every other launch's,
+        with an `Address` stand-in for each tensor (and, for the second launch of a
+        synchronizing call, each row count), in the plan's slot order. None if a kernel variant
+        is not kept (under the interpreter, or after the compiled launcher rejected a launch)."""
         rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
+        sync = request.do_cpu_sync
         layout, launcher = self._record_layout(rows)
         variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32
                                            if request.do_expand else topk_idx.dtype)
-        if not launcher.kept(variant):
+        count_variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32)
+        if not launcher.kept(variant) or (sync and not launcher.kept(count_variant)):
             return None
-        num_rows, num_expanded = self._capacity(request)
+        num_rows, num_expanded = (None, None) if sync else self._capacity(request)
         copy = request.copy_topk_idx
         num_local = request.num_experts // self.num_ranks
         block_layout = self._block_layout(topk_idx.shape[0], num_local, num_rows,
                                           topk_idx.dtype if copy else None)
-        shapes = self._output_shapes(request, num_rows, num_expanded)
+        spec = self._output_spec(request)
+        shapes = spec.shapes(0 if sync else num_rows, 0 if sync else num_expanded)
         slots = itertools.count()
 
-        def stand_in(shape) -> Address:
+        def stand_in(shape=()) -> Address:
             return Address(next(slots), tuple(shape))
 
         row_slots = [stand_in(row.shape) for row in rows]
@@ -352,21 +378,40 @@ class SymmetricBackend(Backend):
         weights_slot = None if weights is None else stand_in(weights.shape)
         block = TensorBlock(stand_in((block_layout.words,)), block_layout,
                             None if copy else {"topk_idx": idx_slot})
+        scratch_shape = self.receive_scratch(num_local, request.stream).shape
+        hist = stand_in(scratch_shape) if sync else None
+        if sync:
+            block.extra["recv_src_metadata"] = stand_in()
         recv_rows = [stand_in(shape) for shape, _ in shapes.rows]
         recv_weights = None if shapes.weights is None else stand_in(shapes.weights[0])
         local_idx = None if shapes.idx is None else stand_in(shapes.idx[0])
-        hist = stand_in(self.receive_scratch(num_local, request.stream).shape)
+        if sync:  # the row counts (the expand rows only where the expand layout takes them)
+            num_rows = stand_in()
+            num_expanded = stand_in() if request.do_expand else 0
+        else:
+            hist = stand_in(scratch_shape)
         send = dispatch_kernels.send_phase(
             self.counts_scratch, self.pos_scratch, idx_slot, request.num_experts, weights_slot,
             row_slots, layout, block.arg("dst_buffer_slot_idx"),
             block.arg("topk_idx") if copy else None)
         fields = self._receive_arguments(request, layout, block, send, hist, num_rows,
                                          num_expanded, recv_rows, recv_weights, local_idx,
-                                         do_send=True)
+                                         do_send=not sync)
+        base = block.address.slot
+        if sync:
+            templates = (launcher.template(self._count_arguments(request, layout, block, send,
+                                                                 hist), base=base),
+                         launcher.template(fields, base=base))
+            return SyncDispatchPlan(
+                launcher, count_variant, variant, block_layout, copy,
+                self._handle_fields(request), spec, templates, self.hist,
+                read=functools.partial(self._read_counts, layout=block_layout,
+                                       alignment=request.expert_alignment),
+                check=functools.partial(self._raise_flags, "dispatch"))
         return DispatchPlan(launcher, variant, block_layout, shapes, copy,
-                            self._handle_fields(request, num_rows, num_expanded),
-                            launcher.template(fields, base=block.address.slot), self.device,
-                            self.hist)
+                            dict(self._handle_fields(request), num_recv_tokens=num_rows,
+                                 num_expanded_tokens=num_expanded),
+                            launcher.template(fields, base=base), self.device, self.hist)
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -388,7 +433,7 @@ class SymmetricBackend(Backend):
             self.combine_launcher(variant, request.stream, self._combine_arguments(
                 block, block["recv_src_metadata"], handle, x, weights, biases, *result))
         if handle.do_cpu_sync:
-            self._raise_on_timeout("combine")
+            self._raise_flags("combine", errors.FAULT | errors.CALL_MISMATCH)
         return result
 
     def _combine_outputs(self, handle: EPHandle, weights) -> list[tuple]:

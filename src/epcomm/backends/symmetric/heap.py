@@ -132,7 +132,8 @@ def heap_layout(num_ranks: int, stride_tokens: int, hidden: int,
     """Byte offsets of one rank's heap: (combine counters, dispatch staging, combine staging,
     total bytes). The dispatch counters are at 0; records fit bf16 and FP8 rows alike.
 
-        [dispatch counters: ready[R] | free[R] | count[R]] [combine counters: the same] (int64)
+        [dispatch counters: ready[R] | free[R] | count[R]]
+        [combine counters: ready[R] | free[R] | stamp[R]] (int64; `kernels.sync`)
         [dispatch staging: R blocks x S records (`kernels.dispatch.RecordLayout`)]
         [combine staging:  R blocks x S records (`kernels.combine.CombineLayout`)]
     """

@@ -6,13 +6,15 @@ outputs' addresses and launches: no argument builders, no views, every pointer a
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from dataclasses import dataclass
 from functools import partial, reduce
-from typing import Hashable, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
+from ... import errors
 from ...handle import EPHandle
 from ...kernels.launcher import ArgTemplate, Launcher
 from ..base import DispatchResult, OutputAllocator
@@ -27,6 +29,35 @@ class OutputShapes:
     rows: tuple
     weights: Optional[tuple]
     idx: Optional[tuple]
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """What a dispatch's output shapes depend on besides its row counts: each payload row's
+    trailing shape and dtype, whether weights travel, the local ids' dtype, K and the layout."""
+
+    rows: tuple  # ((trailing shape, dtype) of each payload tensor)
+    weights: bool
+    idx_dtype: torch.dtype
+    num_topk: int
+    expand: bool
+
+    def shapes(self, num_rows: int, num_expanded: int) -> OutputShapes:
+        """The shapes for `num_rows` compact rows and `num_expanded` expand rows."""
+        K, out_rows = self.num_topk, num_expanded if self.expand else num_rows
+        return OutputShapes(
+            tuple(((out_rows, *trailing), dtype) for trailing, dtype in self.rows),
+            ((out_rows,) if self.expand else (out_rows, K), torch.float32) if self.weights
+            else None,
+            None if self.expand else ((num_rows, K), self.idx_dtype))
+
+    def allocate(self, alloc: OutputAllocator, num_rows: int, num_expanded: int) -> tuple:
+        """(received payload rows, received weights or None, local ids or None (expand))."""
+        shapes = self.shapes(num_rows, num_expanded)
+        recv_rows = [alloc.empty(shape, dtype) for shape, dtype in shapes.rows]
+        recv_weights = None if shapes.weights is None else alloc.empty(*shapes.weights)
+        local_idx = None if shapes.idx is None else alloc.empty(*shapes.idx)
+        return recv_rows, recv_weights, local_idx
 
 
 class Scratch:
@@ -47,6 +78,47 @@ class Scratch:
                 with torch.cuda.stream(stream):
                     self.tensor = torch.zeros(words, dtype=torch.int32, device=self.device)
         return self.tensor
+
+
+class HostRead:
+    """Small int32 device tensors read back to the host with one wait: copied into one pinned
+    host tensor on the call's stream, then one event waited for (a `.item()` or `.tolist()` per
+    tensor waits once each, about 10 us apiece on the GPU machine)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.host = torch.empty(0, dtype=torch.int32)
+
+    def __call__(self, parts: Sequence[torch.Tensor],
+                 stream: Optional["torch.cuda.Stream"]) -> list[int]:
+        """The values of the 1-D int32 `parts`, concatenated, once the work queued on
+        `stream` (None: the current stream) before this call has written them."""
+        words = sum(part.numel() for part in parts)
+        if self.host.numel() < words:
+            self.host = torch.empty(words, dtype=torch.int32,
+                                    pin_memory=self.device.type == "cuda")
+        cuda = self.device.type == "cuda"
+        with torch.cuda.stream(stream) if cuda and stream is not None else \
+                contextlib.nullcontext():
+            at = 0
+            for part in parts:
+                self.host[at:at + part.numel()].copy_(part, non_blocking=cuda)
+                at += part.numel()
+            if cuda:
+                done = torch.cuda.Event()
+                done.record()
+                done.synchronize()
+        return self.host[:words].tolist()
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What a synchronizing dispatch reads back after its counting pass: the received compact
+    rows, each local expert's rows aligned up, and the error flag (see `SymmetricBackend`)."""
+
+    num_rows: int
+    per_expert: list[int]
+    flags: int
 
 
 def _makers(shapes: Sequence[tuple], device: torch.device) -> list:
@@ -120,3 +192,57 @@ class CombinePlan:
         addresses += [tensor.data_ptr() for tensor in (*biases, *outputs)]
         self.launcher.launch_filled(self.variant, stream, self.template.fill(addresses))
         return outputs[0], outputs[1] if len(outputs) > 1 else None
+
+
+class SyncDispatchPlan:
+    """A synchronizing dispatch of one call shape (`base.PreparedDispatch`): the send-and-count
+    launch, one host read of the counts and the error flag (`read`), then the receive launch
+    into outputs of the read size. Both launches fill templates. Slots, in order: the caller's
+    payload rows, topk_idx, weights (if any); the handle's block; the receive scratch (the
+    counting launch ends here); recv_src_metadata; the received rows, the received weights (if
+    any), the local ids (compact); then the compact rows and (expand) the expand rows, ints.
+
+    read(block, stream) -> Counts; check(bits, flags) raises (and clears) the flag's `bits`
+    set in `flags`."""
+
+    def __init__(self, launcher: Launcher, count_variant: Hashable, variant: Hashable,
+                 block_layout: BlockLayout, copy: bool, handle_fields: dict, outputs: OutputSpec,
+                 templates: tuple[ArgTemplate, ArgTemplate], hist: Scratch, read: Callable,
+                 check: Callable) -> None:
+        self.launcher, self.count_variant, self.variant = launcher, count_variant, variant
+        self.block_layout, self.copy, self.handle_fields = block_layout, copy, handle_fields
+        self.outputs = outputs
+        self.count_template, self.receive_template = templates
+        self.hist, self.read, self.check = hist, read, check
+
+    def takes(self, addresses: Sequence[int]) -> bool:
+        """Each address 16-byte aligned, and both kernels still kept."""
+        return not reduce(operator.or_, addresses) % 16 and \
+            self.launcher.kept(self.count_variant) and self.launcher.kept(self.variant)
+
+    def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc: OutputAllocator,
+            stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
+        block = alloc.empty((self.block_layout.words,), torch.int32)
+        head = [*addresses, block.data_ptr(), self.hist.tensor.data_ptr()]
+        self.launcher.launch_filled(self.count_variant, stream, self.count_template.fill(head))
+        counts = self.read(block, stream)
+        # A timeout or a peer out of step first: the receive launch would wait again.
+        self.check(errors.FAULT, counts.flags)
+        num_rows = counts.num_rows
+        num_expanded = sum(counts.per_expert) if self.outputs.expand else 0
+        metadata = alloc.empty((num_rows, self.outputs.num_topk + 2), torch.int32)
+        recv_rows, recv_weights, local_idx = self.outputs.allocate(alloc, num_rows, num_expanded)
+        outputs = [*recv_rows, *(t for t in (recv_weights, local_idx) if t is not None)]
+        self.launcher.launch_filled(self.variant, stream, self.receive_template.fill(
+            [*head, metadata.data_ptr(), *[t.data_ptr() for t in outputs], num_rows,
+             *([num_expanded] if self.outputs.expand else [])]))
+        # The rest (a peer's call differed, earlier sync-free errors) once the peers' records
+        # are freed.
+        self.check(-1, counts.flags)
+        extra = {"recv_src_metadata": metadata}
+        if not self.copy:
+            extra["topk_idx"] = topk_idx
+        tensors = TensorBlock(block, self.block_layout, extra)
+        handle = EPHandle(tensors, counts.per_expert, **self.handle_fields, num_recv_tokens=num_rows,
+                          num_expanded_tokens=num_expanded, backend_state=tensors)
+        return DispatchResult(recv_rows, local_idx, recv_weights, handle, flags_checked=True)

@@ -52,7 +52,7 @@ def warm_up(backend) -> None:
                     rank_psum=info[0], expert_counts=info[1], expert_psum=info[2],
                     rows_out=rows),
                 do_send=do_send, variant=variant,
-                kernel=dispatch_kernels.launcher(backend.shape, layout))
+                kernel=dispatch_kernels.launcher(backend.shape, layout, backend.max_rows))
     combine_kernels.combine(backend.combine_shape, combine, backend.combine_layout, sync,
                             info[0], meta, rows[0], None, False, slots, (), rows[0], None, error,
                             backend.timeout, variant=combine_kernels.variant(rows[0], None, ()),

@@ -1,0 +1,302 @@
+"""Every path a framework calls, at EP=1 in one process, beside its baselines from the same run.
+
+`python -m epcomm bench` runs this after its multi-rank cases (on a GPU by default; `--paths`
+asks for it on CPU too, where only the collective backend runs, over gloo). One rank, so the
+figures are each path's own cost with no peer to wait for: the fixed costs that decode-size
+batches pay and the passes around the all-to-all that the collective backend adds.
+
+Paths, for each token count and layout (hidden, top-k and experts of `--configs`' last entry
+on a GPU, a small shape on CPU): dispatch sync-free, dispatch with `do_cpu_sync=True`, combine;
+on CUDA also a CUDA-graph replay of sync-free dispatch + combine. Backends: symmetric (CUDA)
+and collective (NCCL on CUDA, gloo on CPU). On CUDA, for up to 256 tokens, also V1's
+low-latency mode (`legacy.Buffer.low_latency_*`, FP8 dispatch, bf16 combine, the symmetric
+transport): dispatch, combine and the pair replayed in CUDA graphs, and the pair eager, with
+the copy time of the bytes the pair moves as its floor.
+
+Baselines, same data and run:
+- `copy x`: a device copy of the tokens (the memory roofline of moving them once);
+- `a2a x`: `all_to_all_single` of the tokens' bytes on the same process group;
+- `a2a + copy out`: the collective backend's floor, the all-to-all of the bytes a call must
+  send plus one copy of the bytes it writes (the dispatch's output rows, the combine's tokens);
+- `torch permute` (expand): argsort of the expert ids, `index_select` of the rows (dispatch)
+  and `index_add_` back into fp32 tokens (combine), as a plain-torch MoE layer would.
+
+Each figure is the mean of back-to-back calls between two synchronizations (CUDA events on a
+GPU), after warm-up: for the synchronizing dispatch that includes its host round trip.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["PathRow", "run_paths", "low_latency_rows", "format_paths", "plot_paths", "example",
+           "copy_us", "time_us"]
+
+
+@dataclass
+class PathRow:
+    """One timed path or baseline: `what` (e.g. "symmetric dispatch sync-free"), tokens per
+    rank, layout ("compact", "expand" or "" for a baseline of the tokens), microseconds per
+    call, and `floor_us` / `goal` where the path has one (None otherwise)."""
+
+    what: str
+    tokens: int
+    layout: str
+    us: float
+    floor_us: Optional[float] = None
+    goal: Optional[str] = None
+
+
+def time_us(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Mean microseconds per call of `fn`, back to back after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end) * 1e3 / iters
+    start_s = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start_s) * 1e6 / iters
+
+
+def example(tokens: int, hidden: int, topk: int, experts: int, device: torch.device,
+             seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, H] bf16, top-k ids [T, K] int64 (distinct per token, uniform), weights [T, K]."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    idx = torch.rand(tokens, experts, generator=gen).topk(topk, dim=1).indices
+    weights = torch.rand(tokens, topk, generator=gen)
+    return x.to(device), idx.to(device), weights.to(device)
+
+
+def copy_us(nbytes: int, device: torch.device, iters: int) -> float:
+    """Microseconds of a copy of `nbytes` bytes on `device` (reads and writes `nbytes` each)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return time_us(lambda: dst.copy_(src), device, iters)
+
+
+def _baselines(x: torch.Tensor, idx: torch.Tensor, group, iters: int) -> dict:
+    """Microseconds of the baselines of one token count (see the module docstring), and the
+    helpers that time a copy and an all-to-all of n bytes."""
+    device = x.device
+
+    def copy_of(nbytes: int) -> float:
+        return copy_us(nbytes, device, iters)
+
+    def a2a_us(nbytes: int) -> float:
+        src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        return time_us(lambda: dist.all_to_all_single(dst, src, group=group), device, iters)
+
+    tokens, topk = idx.shape
+    flat = idx.flatten()
+
+    def permute():
+        order = torch.argsort(flat, stable=True)
+        return x.index_select(0, order // topk)
+
+    rows = permute()
+    source = torch.argsort(flat, stable=True) // topk
+
+    def unpermute():
+        out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=device)
+        return out.index_add_(0, source, rows.float()).to(torch.bfloat16)
+
+    nbytes = x.numel() * x.element_size()
+    return dict(copy=copy_of(nbytes), a2a=a2a_us(nbytes), copy_us=copy_of, a2a_us=a2a_us,
+                permute=time_us(permute, device, iters),
+                unpermute=time_us(unpermute, device, iters))
+
+
+def _paths_of(buffer, backend: str, x, idx, weights, num_experts: int, expand: bool,
+              iters: int, base: dict, goals: bool) -> list[PathRow]:
+    """The rows of one buffer, token count and layout."""
+    device, tokens = x.device, x.shape[0]
+    layout = "expand" if expand else "compact"
+    row_bytes = x.shape[1] * x.element_size()
+    state = {}
+
+    def dispatch(sync: bool):
+        state["out"] = buffer.dispatch(x, idx, weights, num_experts=num_experts,
+                                       do_cpu_sync=sync, do_expand=expand)
+
+    def combine():
+        recv_x, _, recv_w, handle, _ = state["out"]
+        buffer.combine(recv_x, handle, topk_weights=recv_w)
+
+    free = time_us(lambda: dispatch(False), device, iters)
+    comb = time_us(combine, device, iters)
+    sync = time_us(lambda: dispatch(True), device, iters)
+    out_rows = state["out"][0].shape[0]  # the synchronizing call's exact rows
+    floor = dispatch_floor = combine_floor = None
+    if backend == "collective":
+        dispatch_floor = base["a2a"] + base["copy_us"](out_rows * row_bytes)
+        combine_floor = base["a2a_us"](out_rows * row_bytes) + base["copy"]
+    rows = [
+        PathRow(f"{backend} dispatch sync-free", tokens, layout, free, dispatch_floor,
+                "<= 1.5x floor" if dispatch_floor else None),
+        PathRow(f"{backend} dispatch do_cpu_sync", tokens, layout, sync,
+                free + 25.0 if goals and device.type == "cuda" else dispatch_floor,
+                "<= sync-free + 25 us" if goals and device.type == "cuda" else
+                ("<= 1.5x floor" if dispatch_floor else None)),
+        PathRow(f"{backend} combine", tokens, layout, comb, combine_floor,
+                "<= 1.5x floor" if combine_floor else None),
+    ]
+    if device.type == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        dispatch(False)
+        combine()
+        torch.cuda.synchronize(device)
+        with torch.cuda.graph(graph):
+            dispatch(False)
+            combine()
+        replay = time_us(graph.replay, device, iters)
+        goal = None
+        if goals and tokens <= 128:
+            floor, goal = (40.0, "<= 40 us") if expand else (25.0, "<= 25 us")
+        rows.append(PathRow(f"{backend} graph replay dispatch+combine", tokens, layout, replay,
+                            floor, goal))
+    return rows
+
+
+def low_latency_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                     num_experts: int, iters: int, goals: bool) -> list[PathRow]:
+    """V1's low-latency dispatch (FP8) and combine of these tokens at EP=1 (see the module
+    docstring); the floor: a copy of the bytes the pair reads and writes (x read; FP8 rows and
+    scales written and read in staging, written to the expert-major output; K bf16 rows per
+    token read, written, read back in combine; the output written)."""
+    from .legacy import Buffer as LegacyBuffer
+    from .testing.launch import capture_graph
+    tokens, hidden = x.shape
+    topk = idx.shape[1]
+    M = max(tokens, 128)  # num_max_dispatch_tokens_per_rank as decode servers set it
+    buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
+                          get_low_latency_rdma_size_hint(M, hidden, 1, num_experts),
+                          low_latency_mode=True, backend="symmetric")
+    out = torch.randn(num_experts, M, hidden, device=x.device).to(torch.bfloat16)
+    state = {}
+
+    def dispatch():
+        state["handle"] = buffer.low_latency_dispatch(x, idx, M, num_experts, use_fp8=True)[2]
+
+    def combine():
+        buffer.low_latency_combine(out, idx, weights, state["handle"])
+
+    def both():
+        dispatch()
+        combine()
+
+    def replay_us(step) -> float:
+        return time_us(capture_graph(step)[0].replay, x.device, iters)
+
+    eager = time_us(both, x.device, iters)
+    pair = replay_us(both)
+    alone_d = replay_us(lambda: (dispatch(), dispatch())) / 2
+    alone_c = replay_us(lambda: (combine(), combine())) / 2
+    buffer.low_latency_check_errors()
+    routed, fp8_row = tokens * topk, hidden + hidden // 32
+    nbytes = tokens * hidden * 2 + 2 * tokens * fp8_row + routed * fp8_row \
+        + 3 * routed * hidden * 2 + tokens * hidden * 2
+    floor = copy_us(nbytes // 2, x.device, iters)  # a copy of n bytes reads n and writes n
+    goal = goals and tokens == 128
+    return [PathRow("low-latency dispatch (fp8) graph replay", tokens, "ll", alone_d),
+            PathRow("low-latency combine graph replay", tokens, "ll", alone_c),
+            PathRow("low-latency dispatch+combine graph replay", tokens, "ll", pair,
+                    20.0 if goal else floor, "<= 20 us" if goal else "copy of the bytes"),
+            PathRow("low-latency dispatch+combine eager", tokens, "ll", eager, floor,
+                    "copy of the bytes")]
+
+
+def _rank_paths(tokens_list: Sequence[int], hidden: int, topk: int, experts: int,
+                backends: Sequence[str], iters: int, seed: int) -> list[dict]:
+    """Runs in a one-rank process group: every row, as dicts."""
+    from .buffer import Buffer
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+    group = dist.group.WORLD
+    rows: list[PathRow] = []
+    for tokens in tokens_list:
+        x, idx, weights = example(tokens, hidden, topk, experts, device, seed)
+        base = _baselines(x, idx, group, iters)
+        rows += [PathRow("copy x", tokens, "", base["copy"]),
+                 PathRow("a2a x", tokens, "", base["a2a"]),
+                 PathRow("torch permute (argsort + index_select)", tokens, "expand",
+                         base["permute"]),
+                 PathRow("torch unpermute (index_add_)", tokens, "expand", base["unpermute"])]
+        goals = (hidden, topk, experts) == (7168, 8, 256)
+        for backend in backends:
+            buffer = Buffer(group, tokens, hidden, topk, backend=backend)
+            for expand in (False, True):
+                rows += _paths_of(buffer, backend, x, idx, weights, experts, expand, iters,
+                                  base, goals)
+            buffer.destroy()
+        if device.type == "cuda" and tokens <= 256:
+            rows += low_latency_rows(x, idx, weights, experts, iters, goals)
+    return [asdict(row) for row in rows]
+
+
+def run_paths(tokens_list: Sequence[int], hidden: int, topk: int, experts: int,
+              iters: int = 20, seed: int = 0, timeout_s: float = 600.0) -> list[dict]:
+    """Every path at EP=1 in a fresh one-rank process (NCCL on a GPU, gloo on CPU): rows as
+    dicts (`PathRow`'s fields)."""
+    from .testing.launch import run_local_ranks
+    cuda = torch.cuda.is_available()
+    backends = ("symmetric", "collective") if cuda else ("collective",)
+    return run_local_ranks(_rank_paths, 1, list(tokens_list), hidden, topk, experts, backends,
+                           iters, seed, pg_backend="nccl" if cuda else "gloo",
+                           timeout_s=timeout_s)[0]
+
+
+def format_paths(rows: Sequence[dict]) -> str:
+    """The rows as one markdown table: us per call, the floor or goal figure, their ratio."""
+    lines = ["| path | tokens | layout | us | floor / goal us | ratio | goal |",
+             "|---|---:|---|---:|---:|---:|---|"]
+    for row in rows:
+        floor = row["floor_us"]
+        ratio = f"{row['us'] / floor:.2f}" if floor else ""
+        lines.append(f"| {row['what']} | {row['tokens']} | {row['layout']} | {row['us']:.1f} | "
+                     f"{'' if floor is None else f'{floor:.1f}'} | {ratio} | "
+                     f"{row['goal'] or ''} |")
+    return "\n".join(lines)
+
+
+def plot_paths(rows: Sequence[dict], path: str) -> None:
+    """Latency against tokens per rank, one line per path and layout (log-log), to `path`
+    (matplotlib: `pip install "epcomm[plot]"`)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError('--plot needs matplotlib: pip install "epcomm[plot]"') from exc
+    series: dict = {}
+    for row in rows:
+        label = f"{row['what']} ({row['layout']})" if row["layout"] else row["what"]
+        series.setdefault(label, []).append((row["tokens"], row["us"]))
+    figure, axes = plt.subplots(figsize=(10, 6))
+    for label, points in sorted(series.items()):
+        points.sort()
+        style = "--" if not label.startswith(("symmetric", "collective")) else "-"
+        axes.plot([p[0] for p in points], [p[1] for p in points], style, marker="o",
+                  label=label)
+    axes.set_xscale("log", base=2)
+    axes.set_yscale("log")
+    axes.set_xlabel("tokens per rank")
+    axes.set_ylabel("us per call")
+    axes.set_title("epcomm paths at EP=1 (dashed: baselines)")
+    axes.legend(fontsize=6, ncol=2)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

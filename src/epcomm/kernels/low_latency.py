@@ -1,0 +1,486 @@
+"""Triton kernels of the low-latency (decode) dispatch and combine over peer memory.
+
+Four kernels, two per call; with a receive hook the second runs in the hook. Each splits a row
+into parts of BLOCK_C channels, one part per program (P = ceil(H / BLOCK_C)):
+
+- `ll_dispatch_send`, programs (token slot t < M, part): casts its part of token `t` (FP8 in
+  registers, or bf16 as is) and writes it once into the heap of each rank one of the token's
+  top-k experts lives on. Part 0 also writes a record of (local expert, row position) per slot
+  to every live rank, and the program that sees an expert's last token writes that expert's
+  row count (program `g % M` writes 0 for an expert no token chose). Then every program adds 1
+  to the destination's arrival counter.
+- `ll_dispatch_recv`, programs (source rank, token slot, part): waits for every live source,
+  takes the prefix of the row counts over sources, and copies its part of its token into the
+  rows of its local experts (expert-major outputs, FP8 scales column-major). The last program
+  to finish frees the slot at every source.
+- `ll_combine_send`, programs (local expert, source rank, part): writes the expert output
+  rows of that source's tokens into the source's heap at (token, top-k slot).
+- `ll_combine_reduce`, programs (token slot, part): waits for every live owner, then sums the
+  weighted rows of its token in slot order (fp32, one bf16 rounding).
+
+Heap of one rank, per slot `s` in {0, 1} (`LowLatencyLayout`): int64 counters (dispatch
+arrivals and frees, combine arrivals and frees, one per rank each), the dispatch region (token
+counts, row counts `[R, E_l]`, records `[R, M, 2K]` int32, payloads `[R, M, P]` bytes), and the
+combine region (rows `[M, K, H]` bf16). Counters are monotone: a slot's `n`-th dispatch waits
+for `M * P * n` arrivals from each source, its `n`-th combine for `E_l * P * n` from each
+owner; a sender first waits until the destination has freed the slot's previous use. `n` lives
+in a local int64 tensor (`epochs`), advanced by the last program of the receiving kernel, so
+that graph replays count on their own.
+
+Kernels take heap base addresses (`bases`, int64 `[R]`) and local tensors; they know nothing
+about process groups. Waits are bounded (`sync.wait_counters`); a timeout ORs the stage's bit
+into the error flag and the kernel goes on.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import triton
+import triton.language as tl
+
+from .common import bf16_to_f32, exclusive_rows, f32_to_bf16, flag_mask, sum_along, total
+from .sync import (COMBINE_TIMEOUT, DISPATCH_TIMEOUT, add_counters, clock_ns, wait_counters)
+
+_REGION = 256  # bytes between heap regions
+
+
+def _up(n: int, a: int = _REGION) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class LowLatencyLayout:
+    """Byte offsets in one rank's heap for `R` ranks, `E_l` local experts, `M` tokens, `K`
+    slots, `H` hidden, `payload` bytes per token (2H bf16, or H + 4H/128 FP8)."""
+    num_ranks: int
+    num_local: int
+    max_tokens: int
+    num_topk: int
+    hidden: int
+    payload: int
+
+    @property
+    def payload_stride(self) -> int:
+        return _up(self.payload, 16)
+
+    def counters(self, slot: int, kind: int) -> int:
+        """Counter array `kind` (0 dispatch arrivals, 1 dispatch frees, 2 combine arrivals,
+        3 combine frees) of `slot`: R int64."""
+        return (slot * 4 + kind) * self.num_ranks * 8
+
+    @property
+    def _counter_bytes(self) -> int:
+        return _up(8 * 4 * self.num_ranks * 2)
+
+    @property
+    def _dispatch_bytes(self) -> int:
+        R, M = self.num_ranks, self.max_tokens
+        return (_up(4 * R) + _up(4 * R * self.num_local) + _up(4 * R * M * 2 * self.num_topk)
+                + R * M * self.payload_stride)
+
+    def dispatch(self, slot: int) -> tuple[int, int, int, int]:
+        """(token counts [R] int32, row counts [R, E_l] int32, records [R, M, 2K] int32,
+        payloads [R, M, stride] bytes) of `slot`."""
+        R, M = self.num_ranks, self.max_tokens
+        base = self._counter_bytes + slot * self._dispatch_bytes
+        counts = base + _up(4 * R)
+        records = counts + _up(4 * R * self.num_local)
+        payloads = records + _up(4 * R * M * 2 * self.num_topk)
+        return base, counts, records, payloads
+
+    def combine(self, slot: int) -> int:
+        """Rows [M, K, H] bf16 of `slot`."""
+        rows = _up(2 * self.max_tokens * self.num_topk * self.hidden)
+        return self._counter_bytes + 2 * self._dispatch_bytes + slot * rows
+
+    @property
+    def total(self) -> int:
+        return self.combine(2)
+
+
+# ------------------------------------------------------------------------------- helpers
+@triton.jit
+def f32_to_e4m3(v):
+    """fp32 -> float8_e4m3fn bits (int32 0..255), rounding to nearest even like torch;
+    magnitudes past 448 saturate to 448 (the callers' values are at most 448 plus rounding).
+    Integer arithmetic, so the GPU and the interpreter agree bit for bit."""
+    bits = v.to(tl.int32, bitcast=True)
+    sign = (bits >> 24) & 0x80
+    a = tl.abs(v)
+    abits = a.to(tl.int32, bitcast=True)
+    mantissa = abits & 0x7FFFFF
+    normal = (((abits >> 23) - 120) << 3) + ((mantissa + 0x7FFFF + ((mantissa >> 20) & 1)) >> 20)
+    # below 2^-6: multiples of 2^-9, rounded to nearest even by the fp32 adder
+    subnormal = ((a * 512.0 + 8388608.0) - 8388608.0).to(tl.int32)
+    code = tl.minimum(tl.where(a < 0.015625, subnormal, normal), 0x7E)
+    return code | sign
+
+
+@triton.jit
+def _at(address, dtype: tl.constexpr, ALIGN: tl.constexpr):
+    """A heap address (int64) as a pointer to `dtype`, hinted `ALIGN`-byte aligned so that
+    Triton emits vector accesses (16 when rows are multiples of 16 bytes)."""
+    return tl.multiple_of(address.to(tl.pointer_type(dtype)), ALIGN)
+
+
+@triton.jit
+def _live_ids(ids, num_experts, num_local, mask_ptr):
+    """Top-k ids with those outside [0, E) or on a masked rank replaced by -1."""
+    valid = (ids >= 0) & (ids < num_experts)
+    owner = tl.where(valid, ids // num_local, 0)
+    masked = tl.load(mask_ptr + owner, mask=valid, other=1) != 0
+    return tl.where(valid & ~masked, ids, -1)
+
+
+@triton.jit
+def _first_slots(ids, kk, BLOCK_K: tl.constexpr):
+    """For each slot k: the first slot j <= k with the same id (k itself for -1)."""
+    same = (ids[:, None] == ids[None, :]) & (kk[None, :] <= kk[:, None])
+    return tl.min(tl.where(same, kk[None, :], BLOCK_K), 1)
+
+
+@triton.jit
+def _program(num_inner, num_parts):
+    """This program's (outer, inner, part) for a grid of outer x inner x part programs."""
+    pid = tl.program_id(0)
+    item = pid // num_parts
+    return item // num_inner, item % num_inner, pid % num_parts
+
+
+@triton.jit
+def _prologue(mask_ptr, epoch_ptr, error_ptr, timeout, num_ranks, BLOCK_R: tl.constexpr):
+    """(rr, rr < R, the unmasked ranks, this call's number for the slot, the wait bound: 0
+    once a wait has timed out on this rank, which is out of step then, so that later waits
+    give up at once instead of each waiting in full)."""
+    rr = tl.arange(0, BLOCK_R)
+    rmask = rr < num_ranks
+    live = rmask & (tl.load(mask_ptr + rr, mask=rmask, other=1) == 0)
+    call = tl.load(epoch_ptr) + 1
+    timeout = tl.where(tl.load(error_ptr, volatile=True) != 0, 0, timeout)
+    return rr, rmask, live, call, timeout
+
+
+@triton.jit
+def _await_arrivals(counters, live, target, timeout, timed, wait_ptr, has_wait, error_ptr,
+                    error_bit, rr, num_ranks):
+    """Wait until the arrival counter (int64 array at address `counters`) of every live rank
+    reaches `target`; `timed` (one program): rank by rank, adding the wait to `wait_ptr` with
+    `has_wait`. Flags `error_bit` on a timeout. Returns the ranks that arrived."""
+    arrived = (counters + rr * 8).to(tl.pointer_type(tl.int64))
+    if timed:
+        ok = _wait_each(arrived, live, target, timeout, wait_ptr, has_wait, rr, num_ranks)
+    else:
+        ok = flag_mask(live, wait_counters(arrived, live, target, timeout).to(tl.int32))
+    if total((live & ~ok).to(tl.int32)) > 0:
+        tl.atomic_or(error_ptr, error_bit)
+    tl.debug_barrier()
+    return ok
+
+
+@triton.jit
+def _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask):
+    """The receiving kernel's end: the last of its programs to get here (a local count,
+    `call * P` after call `call`) frees the slot at every live peer and stores `call` as the
+    slot's count."""
+    tl.debug_barrier()
+    done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
+    if done == call * tl.num_programs(0) - 1:
+        bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
+        add_counters((bases + free_off + rank * 8).to(tl.pointer_type(tl.int64)), live)
+        tl.store(epoch_ptr, call)
+
+
+@triton.jit
+def _wait_each(ptrs, mask, target, timeout, stats_ptr, has_stats, rr, num_ranks):
+    """Wait for each counter in turn (where `mask`); with `has_stats`, add the nanoseconds
+    from the start until counter `r` arrived to `stats_ptr[r]`. Returns the arrived mask."""
+    start = clock_ns()
+    arrived = mask & (rr < 0)
+    for r in range(0, num_ranks):
+        one = mask & (rr == r)
+        ok = wait_counters(ptrs, one, target, timeout)
+        arrived = arrived | flag_mask(one, ok.to(tl.int32))
+        if has_stats != 0:
+            spent = clock_ns() - start
+            tl.atomic_add(stats_ptr + rr, tl.where(one, spent, 0), mask=one)
+    return arrived
+
+
+# ------------------------------------------------------------------------------- dispatch
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "num_tokens", "num_experts", "num_local", "max_tokens", "num_parts",
+    "num_topk", "timeout", "arrive_off", "free_off", "ntok_off", "counts_off", "records_off",
+    "payload_off", "payload_stride"])
+def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num_experts,
+                     num_local, max_tokens, num_parts, hidden, num_topk, mask_ptr, epoch_ptr,
+                     error_ptr, timeout, arrive_off, free_off, ntok_off, counts_off,
+                     records_off, payload_off, payload_stride, USE_FP8: tl.constexpr,
+                     ROUND_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (token slot t, channel part p) of M * P, P = ceil(H / BLOCK_C): part 0 also
+    writes the token's records and row counts. x_ptr: [T, H] bf16 bits (int16); idx_ptr:
+    [T, K] int32/int64; mask_ptr: [R] int32; epoch_ptr: this slot's dispatch count (int64,
+    local); error_ptr: int32 flag."""
+    _, t, part = _program(max_tokens, num_parts)
+    rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
+                                               num_ranks, BLOCK_R)
+    own = tl.load(bases_ptr + rank)
+    bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
+    # 1. Every live destination has freed this slot's previous use.
+    freed = (own + free_off + rr * 8).to(tl.pointer_type(tl.int64))
+    if not wait_counters(freed, live, call - 1, timeout):
+        tl.atomic_or(error_ptr, DISPATCH_TIMEOUT)
+    tl.debug_barrier()
+    # 2. This token's slots: the first slot of each expert, and the ranks it goes to.
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_topk
+    mine = t < num_tokens
+    ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk,
+                  mask=flag_mask(kmask, mine.to(tl.int32)), other=-1).to(tl.int32)
+    ids = _live_ids(ids, num_experts, num_local, mask_ptr)
+    first = (ids >= 0) & (_first_slots(ids, kk, BLOCK_K) == kk)
+    local = tl.where(ids >= 0, ids % num_local, -1)
+    dest = tl.where(ids >= 0, ids // num_local, -1)
+    to_rank = tl.max((first[:, None] & (dest[:, None] == rr[None, :])).to(tl.int32), 0) > 0
+    slot_bytes = (rank * max_tokens + t).to(tl.int64)
+    if part == 0:
+        # 3. Positions and counts need every token's slots: has[t', k] = token t' chose slot
+        # k's expert. Records go to every live rank (all -1 where the token goes elsewhere).
+        tt = tl.arange(0, BLOCK_T)
+        tmask = tt < num_tokens
+        table = tl.load(idx_ptr + tt[:, None].to(tl.int64) * num_topk + kk[None, :],
+                        mask=tmask[:, None] & kmask[None, :], other=-1).to(tl.int32)
+        table = _live_ids(table, num_experts, num_local, mask_ptr)
+        has = tl.max((table[:, :, None] == ids[None, None, :]).to(tl.int32), 1)
+        position = tl.sum(tl.where(tt[:, None] < t, has, 0), 0)
+        later = tl.sum(tl.where(tt[:, None] > t, has, 0), 0)
+        for r in range(0, num_ranks):
+            if mine & (total(tl.where((rr == r) & live, 1, 0)) > 0):
+                base = total(tl.where(rr == r, bases, 0))
+                record = (base + records_off + slot_bytes * 8 * num_topk).to(
+                    tl.pointer_type(tl.int32))
+                tl.store(record + kk, tl.where(first & (dest == r), local, -1), mask=kmask)
+                tl.store(record + num_topk + kk, position, mask=kmask)
+        target = tl.load(bases_ptr + tl.where(dest >= 0, dest, 0))
+        counts = (target + counts_off + (rank * num_local + local).to(tl.int64) * 4).to(
+            tl.pointer_type(tl.int32))
+        tl.store(counts, position + 1, mask=first & (later == 0))
+        for g0 in range(0, num_experts, max_tokens):  # experts nobody chose count 0
+            g = g0 + t
+            owner = g // num_local
+            owner_live = total(tl.where((rr == owner) & live, 1, 0)) > 0
+            chosen = sum_along(sum_along(tl.where(table == g, 1, 0), 1), 0)
+            if (g < num_experts) & owner_live & (chosen == 0):
+                base = total(tl.where(rr == owner, bases, 0))
+                zero = (base + counts_off + (rank * num_local + g % num_local).to(tl.int64) * 4)
+                tl.store(zero.to(tl.pointer_type(tl.int32)), 0)
+        if t == 0:
+            ntok = (bases + ntok_off + rank * 4).to(tl.pointer_type(tl.int32))
+            tl.store(ntok, tl.where(live, num_tokens, 0), mask=live)
+    # 4. This part of the payload, cast in registers, to each destination.
+    if mine:
+        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cc < hidden
+        bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc, mask=cmask, other=0)
+        if USE_FP8:
+            # IEEE divisions (`/` is approximate for fp32 on the GPU), operands of one shape
+            values = tl.reshape(bf16_to_f32(bits), (BLOCK_C // 128, 128))
+            amax = tl.maximum(tl.max(tl.abs(values), 1), 1e-4)
+            scale = tl.math.div_rn(amax, tl.full((BLOCK_C // 128,), 448.0, tl.float32))
+            if ROUND_SCALE:
+                sbits = scale.to(tl.int32, bitcast=True)
+                exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+                scale = (exponent << 23).to(tl.float32, bitcast=True)
+            scaled = tl.math.div_rn(values, tl.broadcast_to(scale[:, None],
+                                                            (BLOCK_C // 128, 128)))
+            codes = tl.reshape(f32_to_e4m3(scaled), (BLOCK_C,)).to(tl.uint8)
+            bb = part * (BLOCK_C // 128) + tl.arange(0, BLOCK_C // 128)
+            for r in range(0, num_ranks):
+                if total(tl.where((rr == r) & to_rank, 1, 0)) > 0:
+                    row = (total(tl.where(rr == r, bases, 0)) + payload_off
+                           + slot_bytes * payload_stride)
+                    tl.store(_at(row, tl.uint8, 16) + cc, codes, mask=cmask)
+                    tl.store((row + hidden).to(tl.pointer_type(tl.float32)) + bb, scale,
+                             mask=bb * 128 < hidden)
+        else:
+            for r in range(0, num_ranks):
+                if total(tl.where((rr == r) & to_rank, 1, 0)) > 0:
+                    row = (total(tl.where(rr == r, bases, 0)) + payload_off
+                           + slot_bytes * payload_stride)
+                    tl.store(_at(row, tl.int16, ALIGN) + cc, bits, mask=cmask)
+    # 5. Arrived at every live destination (M * P per call).
+    arrive = (bases + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
+    add_counters(arrive, live)
+
+
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "num_topk", "timeout",
+    "arrive_off", "free_off", "ntok_off", "counts_off", "records_off", "payload_off",
+    "payload_stride", "num_scale_cols", "has_stats", "has_wait"])
+def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, hidden,
+                     num_topk, mask_ptr, epoch_ptr, done_ptr, error_ptr, timeout, arrive_off,
+                     free_off, ntok_off, counts_off, records_off, payload_off, payload_stride,
+                     recv_x_ptr, scales_ptr, num_scale_cols, src_info_ptr, slot_ptr,
+                     count_ptr, range_ptr, stats_ptr, has_stats, wait_ptr, has_wait,
+                     USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_K: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
+                     ALIGN: tl.constexpr):
+    """Program (source s, token slot t, channel part p) of R * M * P. Outputs (local): recv_x
+    [E_l, R*M, H] (bf16 bits int16, or fp8 bytes uint8), scales [E_l, S', R*M] (float32, or
+    the bytes (uint8) of UE8M0 int32 words), src_info and slot [E_l, R*M] int32, count [E_l]
+    int32, range [E_l, R] int64, stats [E_l] int32, wait [R] int64."""
+    src, t, part = _program(max_tokens, num_parts)
+    pid = tl.program_id(0)
+    rows = num_ranks * max_tokens
+    rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
+                                               num_ranks, BLOCK_R)
+    own = tl.load(bases_ptr + rank)
+    ok = _await_arrivals(own + arrive_off, live, call * max_tokens * num_parts, timeout,
+                         pid == 0, wait_ptr, has_wait, error_ptr, DISPATCH_TIMEOUT, rr,
+                         num_ranks)
+    ee = tl.arange(0, BLOCK_E)
+    emask = ee < num_local
+    counts = tl.load((own + counts_off).to(tl.pointer_type(tl.int32))
+                     + rr[:, None] * num_local + ee[None, :],
+                     mask=ok[:, None] & emask[None, :], other=0, volatile=True)
+    begin = exclusive_rows(counts, BLOCK_R)  # [R, E_l]: first row of each source
+    if pid == 0:
+        per_expert = sum_along(counts, 0)
+        tl.store(count_ptr + ee, per_expert, mask=emask)
+        packed = begin.to(tl.int64) * 4294967296 + counts.to(tl.int64)
+        tl.store(range_ptr + ee[None, :] * num_ranks + rr[:, None], packed,
+                 mask=rmask[:, None] & emask[None, :])
+        if has_stats != 0:
+            old = tl.load(stats_ptr + ee, mask=emask, other=0)
+            tl.store(stats_ptr + ee, old + per_expert, mask=emask)
+    src_ok = total(tl.where((rr == src) & ok, 1, 0)) > 0
+    ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)), volatile=True)
+    if src_ok & (t < ntok):
+        kk = tl.arange(0, BLOCK_K)
+        kmask = kk < num_topk
+        slot_bytes = (src * max_tokens + t).to(tl.int64)
+        record = (own + records_off + slot_bytes * 8 * num_topk).to(tl.pointer_type(tl.int32))
+        local = tl.load(record + kk, mask=kmask, other=-1, volatile=True)
+        position = tl.load(record + num_topk + kk, mask=kmask, other=0, volatile=True)
+        begin_src = sum_along(tl.where(rr[:, None] == src, begin, 0), 0)          # [E_l]
+        first = sum_along(tl.where(ee[None, :] == local[:, None], begin_src[None, :], 0), 1)
+        take = local >= 0
+        out_row = tl.where(take, local.to(tl.int64) * rows + first + position, 0)
+        if part == 0:
+            tl.store(src_info_ptr + out_row, t, mask=take)
+            tl.store(slot_ptr + out_row, kk, mask=take)
+        payload = own + payload_off + slot_bytes * payload_stride
+        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cc < hidden
+        if USE_FP8:
+            data = tl.load(_at(payload, tl.uint8, 16) + cc, mask=cmask, volatile=True)
+        else:
+            data = tl.load(_at(payload, tl.int16, ALIGN) + cc, mask=cmask, volatile=True)
+        for k in range(0, num_topk):
+            if total(tl.where((kk == k) & take, 1, 0)) > 0:
+                row = total(tl.where(kk == k, out_row, 0))
+                tl.store(recv_x_ptr + row * hidden + cc, data, mask=cmask)
+        if USE_FP8:
+            ss = part * (BLOCK_C // 128) + tl.arange(0, BLOCK_C // 128)
+            smask = ss * 128 < hidden
+            scale = tl.load((payload + hidden).to(tl.pointer_type(tl.float32)) + ss,
+                            mask=smask, other=1.0, volatile=True)
+            for k in range(0, num_topk):
+                if total(tl.where((kk == k) & take, 1, 0)) > 0:
+                    row = total(tl.where(kk == k, out_row, 0))
+                    expert = row // rows
+                    j = row % rows
+                    if USE_UE8M0:
+                        byte = ((expert * num_scale_cols + ss // 4) * rows + j) * 4 + ss % 4
+                        exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
+                        tl.store(scales_ptr + byte, exponent.to(tl.uint8), mask=smask)
+                    else:
+                        tl.store(scales_ptr + (expert * num_scale_cols + ss) * rows + j, scale,
+                                 mask=smask)
+    _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
+
+
+# ------------------------------------------------------------------------------- combine
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "num_topk", "timeout",
+    "arrive_off", "free_off", "rows_off"])
+def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, hidden,
+                    num_topk, mask_ptr, epoch_ptr, error_ptr, timeout, arrive_off, free_off,
+                    rows_off, x_ptr, src_info_ptr, slot_ptr, range_ptr, BLOCK_R: tl.constexpr,
+                    BLOCK_C: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (local expert e, source s, channel part p) of E_l * R * P: x_ptr [E_l, R*M, H]
+    bf16 bits (int16); src_info, slot [E_l, R*M] int32 and range [E_l, R] int64 from the
+    dispatch. ROWS rows per step."""
+    e, src, part = _program(num_ranks, num_parts)
+    rows = num_ranks * max_tokens
+    rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
+                                               num_ranks, BLOCK_R)
+    own = tl.load(bases_ptr + rank)
+    one = live & (rr == src)
+    if not wait_counters((own + free_off + rr * 8).to(tl.pointer_type(tl.int64)), one,
+                         call - 1, timeout):
+        tl.atomic_or(error_ptr, COMBINE_TIMEOUT)
+    tl.debug_barrier()
+    base = tl.load(bases_ptr + src)
+    if total(tl.where(one, 1, 0)) > 0:
+        packed = tl.load(range_ptr + e * num_ranks + src)
+        count = (packed & 0xFFFFFFFF).to(tl.int32)
+        first = (packed >> 32).to(tl.int32)
+        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cc < hidden
+        ii = tl.arange(0, ROWS)
+        for i0 in range(0, count, ROWS):
+            imask = i0 + ii < count
+            at = e.to(tl.int64) * rows + first + i0 + ii
+            t = tl.load(src_info_ptr + at, mask=imask, other=0)
+            k = tl.load(slot_ptr + at, mask=imask, other=0)
+            dst = _at(base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2, tl.int16,
+                      ALIGN)
+            both = imask[:, None] & cmask[None, :]
+            values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both)
+            tl.store(dst[:, None] + cc[None, :], values, mask=both)
+    # Arrived at the source (E_l * P per owner and call).
+    add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one)
+
+
+@triton.jit(do_not_specialize=[
+    "rank", "num_ranks", "num_tokens", "num_experts", "num_local", "max_tokens", "num_parts",
+    "num_topk", "timeout", "arrive_off", "free_off", "rows_off", "has_wait"])
+def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_local,
+                      max_tokens, num_parts, hidden, num_topk, mask_ptr, epoch_ptr, done_ptr,
+                      error_ptr, timeout, arrive_off, free_off, rows_off, idx_ptr, weights_ptr,
+                      out_ptr, wait_ptr, has_wait, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (token slot t, channel part p) of M * P: idx_ptr [T, K] int32/int64,
+    weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The K rows of a part are
+    loaded at once, then added in slot order."""
+    _, t, part = _program(max_tokens, num_parts)
+    rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
+                                               num_ranks, BLOCK_R)
+    own = tl.load(bases_ptr + rank)
+    _await_arrivals(own + arrive_off, live, call * num_local * num_parts, timeout,
+                    tl.program_id(0) == 0,
+                    wait_ptr, has_wait, error_ptr, COMBINE_TIMEOUT, rr, num_ranks)
+    if t < num_tokens:
+        kk = tl.arange(0, BLOCK_K)
+        kmask = kk < num_topk
+        ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk, mask=kmask,
+                      other=-1).to(tl.int32)
+        ids = _live_ids(ids, num_experts, num_local, mask_ptr)
+        source = _first_slots(ids, kk, BLOCK_K)
+        weights = tl.load(weights_ptr + t.to(tl.int64) * num_topk + kk, mask=kmask, other=0.0)
+        rows = _at(own + rows_off + (t.to(tl.int64) * num_topk + source) * hidden * 2, tl.int16,
+                   ALIGN)
+        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+        cmask = cc < hidden
+        both = (ids >= 0)[:, None] & cmask[None, :]
+        values = bf16_to_f32(tl.load(rows[:, None] + cc[None, :], mask=both, other=0,
+                                     volatile=True))
+        terms = weights[:, None] * values           # [K, C], each rounded to fp32
+        acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+        for k in tl.static_range(BLOCK_K):
+            # row k alone (the others are +0: exact), added in slot order; a skipped slot adds
+            # +0, which leaves acc unchanged (acc is never -0)
+            acc = acc + sum_along(tl.where((kk == k)[:, None] & both, terms, 0.0), 0)
+        tl.store(out_ptr + t.to(tl.int64) * hidden + cc, f32_to_bf16(acc), mask=cmask)
+    _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)

@@ -1,0 +1,366 @@
+"""Dispatch and combine as registered `torch.library` custom ops, for `torch.compile`.
+
+`epcomm.autograd.dispatch` / `combine` call these ops; use them (not the ops directly) in a
+model. The ops (namespace `epcomm`):
+
+- `epcomm::dispatch(x, x_scales?, topk_idx, topk_weights?, buffer_id, num_experts,
+  num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand, do_zero_padding, num_sms)`:
+  `Buffer.dispatch` (x [T, H] bf16, or FP8 [T, H] with `x_scales` [T, S]; topk_idx [T, K];
+  topk_weights [T, K] float32). Returns `recv_x` [N, H], `recv_x_scales` [N, S] (FP8) or None,
+  `recv_topk_idx` [N, K] (compact) or None, `recv_topk_weights` ([N, K] compact, [N] expand) or
+  None, the handle's `key` (below), and copies of the handle's
+  `psum_num_recv_tokens_per_scaleup_rank` [R] and `psum_num_recv_tokens_per_expert` [E_l] int32.
+- `epcomm::cached_dispatch(x, x_scales?, topk_weights?, key, buffer_id, num_rows, do_expand,
+  do_zero_padding, owned_weights_only)`: `Buffer.dispatch(x, topk_weights=..., handle=...)`
+  through the handle `key` names (`num_rows`, `do_expand`: its output rows and layout).
+  `owned_weights_only`: compact weights rows keep only the slots of this rank's experts (0
+  elsewhere). Returns `recv_x`, `recv_x_scales`, `recv_topk_weights` as `dispatch`.
+- `epcomm::combine(x, topk_weights?, bias0?, bias1?, key, buffer_id, num_tokens)`:
+  `Buffer.combine` through the handle `key` names (`num_tokens`: its T). Returns `combined_x`
+  [T, H] bf16 and `combined_topk_weights` [T, K] float32 or None.
+
+Each has a fake (meta) implementation whose shapes follow the contract: a sync-free dispatch
+returns the capacity rows (compact `R * M`, expand `align(R * M * min(K, E_l) + (a - 1) * E_l)`);
+a synchronizing one returns a data-dependent row count, declared to the compiler as a new
+dynamic size. Autograd is registered on the ops: the backward of a dispatch (cached or not) is a
+combine of the gradient through the same handle; the backward of a combine is a cached
+dispatch of the gradient. FP8 dispatch is not differentiable (its backward raises).
+
+The ops are collectives: every rank must run them in the same order. Data orders them (a
+layer's dispatch, experts, combine; one layer's output is the next one's input; each backward
+step needs the gradient of the one before), and every schedule keeps that. Collectives with no
+data path between them (two layers on the same input) keep program order under `aot_eager`;
+under Inductor give every rank the same shapes for such a graph, as its schedule may depend
+on tensor sizes. (The ops are not declared as ordered effects: with torch's effect tokens a
+compiled activation-checkpointed region around a dispatch fails, as AOTAutograd then saves
+the op's None outputs for backward.)
+
+How the handle and the buffer cross the op boundary:
+
+- The buffer is named by its `buffer_id` (an int, a constant of the compiled graph); the op
+  finds the live `Buffer` by it (`epcomm.buffer.live_buffer`). A destroyed buffer is gone.
+- A dispatch's `EPHandle` is named by a *key*: a CPU int64 tensor [1] that the dispatch op
+  returns. The key's memory holds the `EPHandle`, so the handle lives exactly as long as that
+  memory: the key tensor and its views, wherever they are kept (a `Handle`, a tensor saved for
+  backward, a compiled graph's activations). When the last of them is freed, the handle is
+  freed and its key names nothing (a combine through a *copy* of a dead key raises). Keys are
+  never reused; there is no per-buffer or per-layer "current handle", so any number of layers
+  and buffers may interleave their dispatches and combines.
+
+(Tensors rather than torch's opaque objects: an opaque object cannot be created inside a
+compiled region, and a handle is made by the dispatch inside it.)
+
+Under CUDA-graph replay nothing on the host runs: the captured kernels read and write the same
+device tensors, which is what the sync-free path needs (its shapes never change).
+"""
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import NamedTuple, Optional, Union
+
+import torch
+
+from .buffer import Buffer, live_buffer
+from .checks import check_tensor, dispatch_rows
+from .handle import EPHandle
+from .layout import expand_capacity
+
+_LIB = torch.library.Library("epcomm", "DEF")
+
+_LIB.define(
+    "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int buffer_id, "
+    "int num_experts, int num_max_tokens_per_rank, int expert_alignment, bool do_cpu_sync, "
+    "bool do_expand, bool do_zero_padding, int num_sms) -> (Tensor recv_x, Tensor? recv_x_scales, "
+    "Tensor? recv_topk_idx, Tensor? recv_topk_weights, Tensor key, "
+    "Tensor psum_num_recv_tokens_per_scaleup_rank, Tensor psum_num_recv_tokens_per_expert)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define(
+    "cached_dispatch(Tensor x, Tensor? x_scales, Tensor? topk_weights, Tensor key, int buffer_id, "
+    "SymInt num_rows, bool do_expand, bool do_zero_padding, bool owned_weights_only) "
+    "-> (Tensor recv_x, Tensor? recv_x_scales, Tensor? recv_topk_weights)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+_LIB.define(
+    "combine(Tensor x, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor key, "
+    "int buffer_id, SymInt num_tokens) -> (Tensor combined_x, Tensor? combined_topk_weights)",
+    tags=(torch.Tag.pt2_compliant_tag,))
+
+
+# -- handle keys -------------------------------------------------------------------------------
+class _KeyMemory(bytearray):
+    """The 8 bytes of a key tensor; it holds the `EPHandle` the key names (so the handle lives
+    as long as the key's memory)."""
+
+    __slots__ = ("handle",)
+
+
+_handles: "weakref.WeakValueDictionary[int, EPHandle]" = weakref.WeakValueDictionary()
+_serials = itertools.count(1)
+
+
+def key_of(handle: EPHandle) -> torch.Tensor:
+    """A new key for `handle`: a CPU int64 tensor [1] holding a fresh serial number, whose
+    memory keeps `handle` alive."""
+    serial = next(_serials)
+    memory = _KeyMemory(8)
+    memory.handle = handle
+    key = torch.frombuffer(memory, dtype=torch.int64)
+    key[0] = serial
+    _handles[serial] = handle
+    return key
+
+
+def handle_of(key: torch.Tensor) -> EPHandle:
+    """The `EPHandle` that `key` (a key a dispatch op returned, or a copy) names."""
+    if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or key.device.type != "cpu" \
+            or key.shape != (1,):
+        raise ValueError("key must be the CPU int64 tensor [1] a dispatch returned as its handle "
+                         f"key, got {key!r}")
+    serial = int(key[0])
+    handle = _handles.get(serial)
+    if handle is None:
+        raise ValueError(f"key {serial}: its handle was freed (a handle lives as long as the key "
+                         "tensor its dispatch returned, and that tensor's views)")
+    return handle
+
+
+class Handle(NamedTuple):
+    """A dispatch's handle as the compiler sees it (`epcomm.autograd.dispatch` returns one).
+
+    key: CPU int64 [1], names (and keeps alive) the dispatch's `EPHandle` (`resolve()`).
+    psum_num_recv_tokens_per_scaleup_rank: [R] int32 on the buffer's device, inclusive prefix
+        sum of the compact rows received from each rank (`[-1]`: the valid compact rows).
+    psum_num_recv_tokens_per_expert: [E_l] int32 on the buffer's device, as `EPHandle`'s
+        (expand layout: expert i owns rows `[align(psum[i-1]), psum[i])`).
+    buffer_id: the `Buffer` that dispatched.
+    num_tokens: T, the tokens of this rank's dispatch input (rows of the combine output).
+    num_rows: rows of the dispatch output (and of the combine input): the capacity after a
+        sync-free dispatch, else the exact count (a dynamic size under `torch.compile`).
+    do_expand: the layout of the dispatch.
+
+    Outside a compiled region, other attribute names read the `EPHandle` (for example
+    `handle.num_recv_tokens_per_expert_list` after `do_cpu_sync=True`).
+    """
+
+    key: torch.Tensor
+    psum_num_recv_tokens_per_scaleup_rank: torch.Tensor
+    psum_num_recv_tokens_per_expert: torch.Tensor
+    buffer_id: int
+    num_tokens: Union[int, torch.SymInt]
+    num_rows: Union[int, torch.SymInt]
+    do_expand: bool
+
+    def resolve(self) -> EPHandle:
+        """The `EPHandle` of this dispatch (host code only, not inside a compiled region)."""
+        return handle_of(self.key)
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self.resolve(), name)
+
+    @classmethod
+    def wrap(cls, handle: EPHandle) -> "Handle":
+        """A `Handle` naming an `EPHandle` from `Buffer.dispatch` (host code only)."""
+        if not isinstance(handle, EPHandle):
+            raise TypeError(f"handle must be an EPHandle or an epcomm.ops.Handle, "
+                            f"got {type(handle).__name__}")
+        return cls(key=key_of(handle),
+                   psum_num_recv_tokens_per_scaleup_rank=handle.tensors[
+                       "psum_num_recv_tokens_per_scaleup_rank"],
+                   psum_num_recv_tokens_per_expert=handle.tensors[
+                       "psum_num_recv_tokens_per_expert"],
+                   buffer_id=handle.buffer_id, num_tokens=handle.num_tokens,
+                   num_rows=handle.num_output_rows, do_expand=handle.do_expand)
+
+
+# -- implementations ---------------------------------------------------------------------------
+def _payload(x: torch.Tensor, x_scales: Optional[torch.Tensor]):
+    return x if x_scales is None else (x, x_scales)
+
+
+def _split(recv_x):
+    """(recv_x, recv_x_scales) of a dispatch's first return."""
+    return tuple(recv_x) if isinstance(recv_x, tuple) else (recv_x, None)
+
+
+@torch.library.impl(_LIB, "dispatch", "CompositeExplicitAutograd")
+def _dispatch(x, x_scales, topk_idx, topk_weights, buffer_id, num_experts,
+              num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand, do_zero_padding,
+              num_sms):
+    buffer = live_buffer(buffer_id)
+    recv_x, recv_topk_idx, recv_weights, handle, _ = buffer.dispatch(
+        _payload(x, x_scales), topk_idx, topk_weights, num_experts=num_experts,
+        num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
+        do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
+        num_sms=num_sms)
+    # Copies: an op's outputs may not alias each other or live on inside the handle.
+    return (*_split(recv_x), recv_topk_idx, recv_weights, key_of(handle),
+            handle.tensors["psum_num_recv_tokens_per_scaleup_rank"].clone(),
+            handle.tensors["psum_num_recv_tokens_per_expert"].clone())
+
+
+def _check_traced_dispatch(buffer: Buffer, x, x_scales, topk_idx, topk_weights, num_experts,
+                           num_max_tokens_per_rank) -> None:
+    """What a dispatch's shapes depend on, checked while tracing (with `Buffer.dispatch`'s
+    messages): a compiled call fails there, not in a later op. The call checks everything
+    again, and the values, before it communicates."""
+    rows = dispatch_rows(buffer.config, _payload(x, x_scales))
+    check_tensor("topk_idx", topk_idx, (torch.int64, torch.int32), 2, buffer.device)
+    if topk_idx.shape != (rows[0].shape[0], buffer.num_topk):
+        raise ValueError(f"topk_idx must have shape {(rows[0].shape[0], buffer.num_topk)}, "
+                         f"got {tuple(topk_idx.shape)}")
+    if topk_weights is not None:
+        check_tensor("topk_weights", topk_weights, (torch.float32,), 2, buffer.device)
+    if num_experts < 1 or num_experts % buffer.num_ranks:
+        raise ValueError(f"num_experts={num_experts} must be a positive multiple of the group "
+                         f"size {buffer.num_ranks}")
+    if not 1 <= num_max_tokens_per_rank <= buffer.num_max_tokens_per_rank:
+        raise ValueError(f"num_max_tokens_per_rank must be in "
+                         f"[1, {buffer.num_max_tokens_per_rank}] (the buffer's), "
+                         f"got {num_max_tokens_per_rank}")
+
+
+@torch.library.register_fake("epcomm::dispatch")
+def _dispatch_fake(x, x_scales, topk_idx, topk_weights, buffer_id, num_experts,
+                   num_max_tokens_per_rank, expert_alignment, do_cpu_sync, do_expand,
+                   do_zero_padding, num_sms):
+    buffer = live_buffer(buffer_id)
+    _check_traced_dispatch(buffer, x, x_scales, topk_idx, topk_weights, num_experts,
+                           num_max_tokens_per_rank)
+    num_ranks, num_topk = buffer.num_ranks, topk_idx.shape[1]
+    num_local = num_experts // num_ranks
+    capacity = num_ranks * num_max_tokens_per_rank
+    if do_expand:
+        capacity = expand_capacity(num_ranks, num_max_tokens_per_rank, num_topk, num_local,
+                                   expert_alignment)
+    rows = torch.library.get_ctx().new_dynamic_size(max=capacity) if do_cpu_sync else capacity
+    recv_x = x.new_empty(rows, x.shape[1])
+    recv_scales = None if x_scales is None else x_scales.new_empty(rows, x_scales.shape[1])
+    recv_topk_idx = None if do_expand else topk_idx.new_empty(rows, num_topk)
+    recv_weights = None if topk_weights is None else \
+        topk_weights.new_empty((rows,) if do_expand else (rows, num_topk))
+    device = buffer.device
+    return (recv_x, recv_scales, recv_topk_idx, recv_weights,
+            torch.empty(1, dtype=torch.int64, device="cpu"),
+            torch.empty(num_ranks, dtype=torch.int32, device=device),
+            torch.empty(num_local, dtype=torch.int32, device=device))
+
+
+@torch.library.impl(_LIB, "cached_dispatch", "CompositeExplicitAutograd")
+def _cached_dispatch(x, x_scales, topk_weights, key, buffer_id, num_rows, do_expand,
+                     do_zero_padding, owned_weights_only):
+    handle = handle_of(key)
+    if num_rows != handle.num_output_rows:
+        raise ValueError(f"num_rows={num_rows}: the handle has {handle.num_output_rows} rows")
+    if topk_weights is not None and do_expand != handle.do_expand:
+        raise ValueError(f"do_expand={do_expand}: the handle has do_expand={handle.do_expand}")
+    recv_x, _, recv_weights, _, _ = live_buffer(buffer_id).dispatch(
+        _payload(x, x_scales), topk_weights=topk_weights, handle=handle,
+        do_zero_padding=do_zero_padding)
+    if owned_weights_only and recv_weights is not None and not do_expand:
+        recv_weights = torch.where(handle.tensors["recv_src_metadata"][:, 2:] >= 0,
+                                   recv_weights, 0.0)
+    return (*_split(recv_x), recv_weights)
+
+
+@torch.library.register_fake("epcomm::cached_dispatch")
+def _cached_dispatch_fake(x, x_scales, topk_weights, key, buffer_id, num_rows, do_expand,
+                          do_zero_padding, owned_weights_only):
+    recv_scales = None if x_scales is None else x_scales.new_empty(num_rows, x_scales.shape[1])
+    recv_weights = None if topk_weights is None else \
+        topk_weights.new_empty((num_rows,) if do_expand else (num_rows, topk_weights.shape[1]))
+    return x.new_empty(num_rows, x.shape[1]), recv_scales, recv_weights
+
+
+@torch.library.impl(_LIB, "combine", "CompositeExplicitAutograd")
+def _combine(x, topk_weights, bias0, bias1, key, buffer_id, num_tokens):
+    handle = handle_of(key)
+    if num_tokens != handle.num_tokens:
+        raise ValueError(f"num_tokens={num_tokens}: the handle has {handle.num_tokens} tokens")
+    biases = tuple(bias for bias in (bias0, bias1) if bias is not None)
+    combined_x, combined_weights, _ = live_buffer(buffer_id).combine(
+        x, handle, topk_weights=topk_weights, bias=biases or None)
+    return combined_x, combined_weights
+
+
+@torch.library.register_fake("epcomm::combine")
+def _combine_fake(x, topk_weights, bias0, bias1, key, buffer_id, num_tokens):
+    buffer = live_buffer(buffer_id)
+    check_tensor("x", x, (torch.bfloat16,), 2, buffer.device)
+    if x.shape[1] != buffer.hidden:
+        raise ValueError(f"x must have hidden size {buffer.hidden}, got {x.shape[1]}")
+    combined_weights = None if topk_weights is None else \
+        topk_weights.new_empty(num_tokens, buffer.num_topk)
+    return x.new_empty(num_tokens, x.shape[1]), combined_weights
+
+
+# -- autograd ----------------------------------------------------------------------------------
+def _bf16(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to(torch.bfloat16).contiguous()
+
+
+def _dispatch_setup(ctx, inputs, output) -> None:
+    x, x_scales, _, _, buffer_id = inputs[:5]
+    ctx.save_for_backward(output[4])
+    ctx.buffer_id, ctx.num_tokens, ctx.fp8 = buffer_id, x.shape[0], x_scales is not None
+
+
+def _cached_dispatch_setup(ctx, inputs, output) -> None:
+    x, x_scales, _, key, buffer_id = inputs[:5]
+    ctx.save_for_backward(key)
+    ctx.buffer_id, ctx.num_tokens, ctx.fp8 = buffer_id, x.shape[0], x_scales is not None
+
+
+def _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, weights_index: int):
+    """(grad x, grad topk_weights) of a dispatch: the combine of its output gradients (the
+    gradients of outputs are materialized: zeros where an output was not used)."""
+    if ctx.fp8:
+        raise RuntimeError("FP8 dispatch is not differentiable (dispatch bf16 x for training)")
+    key, = ctx.saved_tensors
+    if not ctx.needs_input_grad[weights_index]:
+        grad_recv_weights = None
+    grad_x, grad_weights = torch.ops.epcomm.combine(
+        _bf16(grad_recv_x), None if grad_recv_weights is None else grad_recv_weights.contiguous(),
+        None, None, key, buffer_id=ctx.buffer_id, num_tokens=ctx.num_tokens)
+    return grad_x, grad_weights
+
+
+def _dispatch_backward(ctx, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weights, *_rest):
+    grad_x, grad_weights = _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, 3)
+    return grad_x, None, None, grad_weights, *(None,) * 8
+
+
+def _cached_dispatch_backward(ctx, grad_recv_x, _grad_scales, grad_recv_weights):
+    grad_x, grad_weights = _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, 2)
+    return grad_x, None, grad_weights, *(None,) * 6
+
+
+def _combine_setup(ctx, inputs, output) -> None:
+    x, topk_weights, bias0, bias1, key, buffer_id, _ = inputs
+    ctx.save_for_backward(key)
+    ctx.buffer_id, ctx.num_rows = buffer_id, x.shape[0]
+    ctx.do_expand = topk_weights is not None and topk_weights.dim() == 1
+    ctx.has_bias = (bias0 is not None, bias1 is not None)
+
+
+def _combine_backward(ctx, grad_combined_x, grad_combined_weights):
+    # Rows the combine did not read (alignment gaps, the sync-free tail) get a zero gradient.
+    key, = ctx.saved_tensors
+    if not ctx.needs_input_grad[1]:
+        grad_combined_weights = None
+    grad_x, _, grad_weights = torch.ops.epcomm.cached_dispatch(
+        _bf16(grad_combined_x), None,
+        None if grad_combined_weights is None else grad_combined_weights.contiguous(), key,
+        buffer_id=ctx.buffer_id, num_rows=ctx.num_rows, do_expand=ctx.do_expand,
+        do_zero_padding=True, owned_weights_only=True)
+    grad_bias = tuple(grad_combined_x if present else None for present in ctx.has_bias)
+    return grad_x, grad_weights, *grad_bias, None, None, None
+
+
+torch.library.register_autograd("epcomm::dispatch", _dispatch_backward,
+                                setup_context=_dispatch_setup)
+torch.library.register_autograd("epcomm::cached_dispatch", _cached_dispatch_backward,
+                                setup_context=_cached_dispatch_setup)
+torch.library.register_autograd("epcomm::combine", _combine_backward,
+                                setup_context=_combine_setup)
