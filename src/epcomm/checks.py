@@ -44,17 +44,23 @@ def check_timeout(name: str, value) -> float:
 
 
 def check_tensor(name: str, tensor, dtypes: Sequence[torch.dtype], ndim: int,
-                 device: torch.device) -> None:
-    """`tensor` is a tensor of one of `dtypes`, `ndim`-D, on `device`."""
+                 device: torch.device, *, shape: Optional[tuple] = None,
+                 device_of: str = "the buffer's device") -> None:
+    """`tensor` is a tensor of one of `dtypes`, `ndim`-D (with `shape`: of that shape, None
+    entries any size), on `device` (`device_of` says whose device that is)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, "
                         f"got {tensor.dtype}")
-    if tensor.dim() != ndim:
+    if shape is None and tensor.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(tensor.shape)}")
+    if shape is not None and (tensor.dim() != len(shape) or any(
+            want is not None and got != want for got, want in zip(tensor.shape, shape))):
+        want = tuple("*" if size is None else size for size in shape)
+        raise ValueError(f"{name} must have shape {want}, got {tuple(tensor.shape)}")
     if tensor.device != device:
-        raise ValueError(f"{name} must be on {device} (the buffer's device), got {tensor.device}")
+        raise ValueError(f"{name} must be on {device} ({device_of}), got {tensor.device}")
 
 
 def check_expert_ids(topk_idx: torch.Tensor, num_experts: int) -> None:

@@ -99,6 +99,7 @@ import torch.distributed as dist
 
 from .backends.symmetric.heap import heap_reachable
 from .buffer import Buffer as _EPBuffer
+from .checks import check_tensor
 from .elastic import topk_idx_t
 from .events import EventHandle, EventOverlap
 from .fp8 import BLOCK_SIZE as _FP8_BLOCK, num_scales
@@ -320,19 +321,10 @@ def _check_size_hint_args(hidden_bytes, num_ranks) -> None:
 
 def _check_tensor(name: str, tensor, dtypes, shape: Optional[tuple], device: torch.device,
                   ndim: Optional[int] = None) -> None:
-    """`tensor` is a tensor of one of `dtypes`, of `shape` (None entries: any) on `device`."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
-    if tensor.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype {' or '.join(map(str, dtypes))}, "
-                        f"got {tensor.dtype}")
-    ndim = len(shape) if shape is not None else ndim
-    if tensor.dim() != ndim or (shape is not None and any(
-            want is not None and got != want for got, want in zip(tensor.shape, shape))):
-        want = tuple("*" if s is None else s for s in shape) if shape is not None else f"{ndim}-D"
-        raise ValueError(f"{name} must have shape {want}, got {tuple(tensor.shape)}")
-    if tensor.device != device:
-        raise ValueError(f"{name} must be on {device} (x's device), got {tensor.device}")
+    """`checks.check_tensor` as DeepEP's methods check: `shape` (None entries: any) or, without
+    it, `ndim`; `device` is x's."""
+    check_tensor(name, tensor, dtypes, len(shape) if shape is not None else ndim, device,
+                 shape=shape, device_of="x's device")
 
 
 def _payload(x) -> list[torch.Tensor]:
