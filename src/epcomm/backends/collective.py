@@ -44,6 +44,7 @@ from .. import errors
 from ..handle import EPHandle
 from ..layout import (SendLayout, compute_expert_layout, compute_send_layout, expand_capacity,
                       last_slot_per_rank)
+from ..nan import canonical_nan_
 from .base import Backend, BufferConfig, CombineRequest, DispatchRequest, DispatchResult
 
 _NUM_FIELDS = len(errors.CALL_FIELDS)
@@ -54,8 +55,6 @@ _WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)
 # Transport errors of a lost peer (gloo's texts; the OS's for a closed socket).
 _PEER_LOST = ("connection closed by peer", "connection reset by peer", "broken pipe",
               "connection refused", "econnreset", "epipe", "socket closed")
-# What a NaN becomes in a combine output: filled as a Python NaN, bf16 0x7FC0, fp32 0x7FC00000.
-_CANONICAL_NAN = float("nan")
 
 
 def _as_words(*spans: tuple[torch.Tensor, int, int]) -> list[torch.Tensor]:
@@ -250,7 +249,7 @@ class _Workspace:
         result = self.tensor("result", (num_rows, hidden), torch.bfloat16).copy_(acc)
         # (on CPU a sum shows whether there is any NaN at all: one read instead of two passes)
         if canonical_nan and (self.device.type != "cpu" or bool(acc.sum().isnan())):
-            result.masked_fill_(result.isnan(), _CANONICAL_NAN)
+            canonical_nan_(result)
         if target_rows is None:
             out.copy_(result)
         else:
@@ -650,5 +649,5 @@ class CollectiveBackend(Backend):
             got = words[torch.where(send.slot_rank >= 0, where, 0)].view(torch.float32)
             combined_weights = request.alloc.empty((num_tokens, num_topk), torch.float32)
             combined_weights.copy_(torch.where(send.slot_rank >= 0, got, 0.0))
-            combined_weights.masked_fill_(combined_weights.isnan(), _CANONICAL_NAN)
+            canonical_nan_(combined_weights)
         return combined_x, combined_weights

@@ -121,6 +121,11 @@ class Counts:
     flags: int
 
 
+def _aligned(addresses: Sequence[int]) -> bool:
+    """Each address 16-byte aligned (what the kept kernels were specialized on)."""
+    return not reduce(operator.or_, addresses) % 16
+
+
 def _makers(shapes: Sequence[tuple], device: torch.device) -> list:
     # Each allocation as one bound call, with its size as separate ints: Python's argument
     # parsing of `torch.empty(shape_tuple, ...)` costs 0.4 us more per call.
@@ -153,7 +158,7 @@ class DispatchPlan:
     def takes(self, addresses: Sequence[int]) -> bool:
         """Each address 16-byte aligned, and the kernel still kept (the compiled launcher
         never rejected a launch)."""
-        return not reduce(operator.or_, addresses) % 16 and self.launcher.kept(self.variant)
+        return _aligned(addresses) and self.launcher.kept(self.variant)
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc: OutputAllocator,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -217,8 +222,8 @@ class SyncDispatchPlan:
 
     def takes(self, addresses: Sequence[int]) -> bool:
         """Each address 16-byte aligned, and both kernels still kept."""
-        return not reduce(operator.or_, addresses) % 16 and \
-            self.launcher.kept(self.count_variant) and self.launcher.kept(self.variant)
+        return _aligned(addresses) and self.launcher.kept(self.count_variant) and \
+            self.launcher.kept(self.variant)
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc: OutputAllocator,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
