@@ -18,6 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
+_RENDEZVOUS_S = 60.0
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -30,8 +33,12 @@ def _rank_main(rank: int, world_size: int, port: int, pg_backend: str, timeout_s
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     if torch.cuda.is_available():
         torch.cuda.set_device(rank % torch.cuda.device_count())
-    dist.init_process_group(pg_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=timeout_s))
+    # The rendezvous waits for every rank to start (slow on a loaded machine); the group's own
+    # timeout, which may be short on purpose, applies to its collectives only.
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=rank == 0,
+                          timeout=timedelta(seconds=max(timeout_s, _RENDEZVOUS_S)))
+    dist.init_process_group(pg_backend, store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=timeout_s))
     try:
         result = fn(*args)
         result_queue.put((rank, "ok", result))
