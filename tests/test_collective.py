@@ -92,9 +92,12 @@ def run_mismatches(seed: int) -> list:
         text = str(info.value)
         assert field in text and "rank 0" in text and "rank 1" in text, (name, text)
         seen.append(name)
-    # The ranks stay in step: a combine whose peer passed weights while this rank did not, then
-    # a correct round trip.
+    # The ranks stay in step: a cached dispatch of FP8 rows on one rank and BF16 on the other
+    # (rows of other sizes: gloo would abort), a combine whose peer passed weights while this
+    # rank did not, then a correct round trip.
     out = buffer.dispatch(x, idx, w, num_experts=8)
+    with pytest.raises(errors.EPMismatchError, match="row bytes"):
+        buffer.dispatch(per_token_cast_to_fp8(x) if rank == 1 else x, handle=out[3])
     with pytest.raises(errors.EPMismatchError, match="topk_weights given"):
         buffer.combine(out[0], out[3], topk_weights=out[2] if rank == 0 else None)
     check_round_trip(buffer, Case(num_experts=8, seed=seed))

@@ -468,14 +468,20 @@ def _ref_group(buffer):
 
 class _no_host_reads:
     """Within the block, reading a tensor's values on the host (`item`, `tolist`, `bool`,
-    `int`, `float`) or checking the buffer's device error flags raises."""
+    `int`, `float`) or checking the buffer's device error flags raises; not over a gloo
+    group's collective backend, whose cached dispatch checks its header on the host (the
+    transport runs there; docs/semantics.md)."""
 
     NAMES = ("item", "tolist", "__bool__", "__int__", "__float__")
 
     def __init__(self, buffer) -> None:
         self.engines = list(buffer._engines.values())
+        self.host_transport = any(getattr(engine._backend, "_host_transport", False)
+                                  for engine in self.engines)
 
     def __enter__(self):
+        if self.host_transport:
+            return
         def refuse(*args, **kwargs):
             raise AssertionError("a cached dispatch read the host")
         self.saved = {name: getattr(torch.Tensor, name) for name in self.NAMES}
@@ -485,6 +491,8 @@ class _no_host_reads:
             engine.check_errors = refuse
 
     def __exit__(self, *exc) -> None:
+        if self.host_transport:
+            return
         for name, method in self.saved.items():
             setattr(torch.Tensor, name, method)
         for engine in self.engines:

@@ -15,9 +15,9 @@ exchanging garbage.
   the header rows and checks the other fields on the device (a mismatch sets CALL_MISMATCH or
   OUT_OF_STEP for `check_errors()`). Nothing is read back to the host and every shape follows
   from M, R, K and E, so over NCCL the call is sync-free and can be captured in a CUDA graph.
-- On a gloo group (the transport runs on the host anyway) every call but a cached dispatch
-  (which reads nothing on the host) exchanges and checks its headers on the host first: gloo
-  aborts the process when the sizes of an all-to-all disagree. Its waits use the buffer's
+- On a gloo group (the transport runs on the host anyway) every call, a cached dispatch too,
+  exchanges and checks its headers on the host first: gloo aborts the process when the sizes
+  of an all-to-all disagree. Its waits use the buffer's
   `timeout_s`, wall-clock; CUDA tensors are staged through host memory.
 - Over NCCL only the headers in the payload are checked, on the device: ranks whose calls
   differ in a field that sets the all-to-all's size (M, the dtype) are undefined behaviour of
@@ -426,7 +426,11 @@ class CollectiveBackend(Backend):
         record = _Record.of([_row_bytes(t).shape[1] for t in request.rows],
                             1 + num_topk * (2 if has_weights else 1))
         header = self._header(0, sync, E, M, request.do_expand, record.meta, has_weights)
-        if cached is not None:  # (reads nothing on the host: its headers are checked below)
+        # The headers go first, read on the host, where the counts are needed there (a
+        # synchronizing first call) or the transport runs on the host anyway (gloo); otherwise
+        # (NCCL: sync-free or cached) they travel with the records and are checked on the device.
+        exchange = (sync and cached is None) or self._host_transport
+        if cached is not None:
             state: _CollectiveState = cached.backend_state
             send, sent = state.send, state.sent
             rows = self._header_rows(header, sent.counts)
@@ -435,9 +439,10 @@ class CollectiveBackend(Backend):
             out_of_range = ((topk_idx < -1) | (topk_idx >= E)).any()
             self._flags.bitwise_or_(out_of_range.int() * errors.INVALID_EXPERT_ID)
             rows = self._header_rows(header, send.send_counts)
-            if sync or self._host_transport:
-                table = self._exchange_headers(
-                    "dispatch (count exchange)" if sync else "dispatch (header exchange)", rows)
+        if exchange:
+            table = self._exchange_headers("dispatch (count exchange)" if sync and cached is None
+                                           else "dispatch (header exchange)", rows)
+        if cached is None:
             if sync:
                 recv_splits = [source[_COUNT] for source in table]
                 sent = _Blocks.exact(send.send_counts, send.send_counts.tolist())
@@ -480,7 +485,7 @@ class CollectiveBackend(Backend):
             received = _Blocks.padded(recv_buf.view(torch.int64)[:-1:M + 1, _COUNT], M)
             self._flags.bitwise_or_((received.counts > M).any().int() * errors.RECEIVE_OVERFLOW)
             received.counts = received.counts.clamp(0, M)
-        if cached is not None or not (sync or self._host_transport):
+        if not exchange:
             self._check_headers(recv_buf, received, rows[me])
         if cached is None:
             state.received = received
