@@ -13,8 +13,11 @@
 #   adapters   the CUDA cases of the DeepEP drop-in tests (ElasticBuffer, V1 Buffer, adapters)
 #   low-latency  V1's low-latency mode: its CUDA tests, then scripts/gpu_low_latency.py (2, 4 and
 #              8 processes against the reference, then the EP=1 timing table)
-#   compile    tests/test_compile.py on CUDA (Inductor, CUDA graphs of the compiled layer)
+#   compile    tests/test_compile.py and tests/test_compile_low_latency.py on CUDA (Inductor,
+#              CUDA graphs of the compiled layer, the compiled low-latency pair)
 #   faults     scripts/gpu_faults.py: mismatched calls, NaN, timeouts, out of step on the GPU
+#   soak       scripts/soak.py: 400 mixed round trips per backend on 4 processes sharing the
+#              GPU, each bitwise against the reference, CUDA memory sampled (flat)
 #   collective scripts/gpu_collective.py: the collective backend over NCCL at EP=1 (bitwise,
 #              sync-debug, graph replay, time against its floor)
 #   bench      python -m epcomm bench (4 ranks sharing the GPU, then every path at EP=1)
@@ -38,8 +41,10 @@ source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" low-latency "* ]] || step low-latency "${LOW_LATENCY_S:-240}" bash -c \
   'python3 -m pytest -q -x -k cuda tests/test_low_latency.py && python3 scripts/gpu_low_latency.py'
 [[ " ${SKIP:-} " == *" compile "* ]] || step compile "${COMPILE_S:-200}" \
-  python3 -m pytest -q -x -rs tests/test_compile.py
+  python3 -m pytest -q -x -rs tests/test_compile.py tests/test_compile_low_latency.py
 [[ " ${SKIP:-} " == *" faults "* ]] || step faults "${FAULTS_S:-120}" python3 scripts/gpu_faults.py --ranks 2 4
+[[ " ${SKIP:-} " == *" soak "* ]] || step soak "${SOAK_S:-200}" python3 scripts/soak.py \
+  --device cuda --ranks 4 --round-trips 400 --report-every 100
 [[ " ${SKIP:-} " == *" collective "* ]] || step collective "${COLLECTIVE_S:-150}" \
   python3 scripts/gpu_collective.py --tokens 128 4096
 [[ " ${SKIP:-} " == *" bench "* ]] || step bench "${BENCH_S:-150}" python3 -m epcomm bench --json "$out/bench.json" --no-progress

@@ -71,7 +71,11 @@ _TMA_ALIGNMENT_BYTES = 16
 
 def _taken_as_is(tensor: torch.Tensor, alignment: int) -> bool:
     """Whether a backend takes `tensor` without a copy: contiguous, its address a multiple of
-    `alignment` bytes (`Backend.input_alignment`)."""
+    `alignment` bytes (`Backend.input_alignment`). An empty view counts as contiguous and
+    reports address 0 whatever its offset and strides, which a backend's word views of it may
+    not accept: taken as is only at offset 0 with unit last stride (inputs are at least 1-D)."""
+    if not tensor.numel():
+        return not tensor.storage_offset() and tensor.stride(-1) == 1
     return tensor.is_contiguous() and not tensor.data_ptr() % alignment
 
 

@@ -492,13 +492,14 @@ def memory_form_cases(num_experts: int, seed: int, quick: bool = False):
     tensor of the dispatch, cached dispatch and combine), each form right after a plain call of
     the same shape (a sync-free one prepares that shape): for bf16 and FP8, both layouts and
     both sync modes (24 cases), or with `quick` bf16 compact sync-free and FP8 expand sync
-    (6 cases)."""
+    (6 cases); every other group with an empty last rank (an empty view past an offset)."""
     grid = [(False, False, False), (True, True, True)] if quick else \
         itertools.product((False, True), (False, True), (True, False))
     for i, (fp8, expand, sync) in enumerate(grid):
         for j, form in enumerate(("plain", "strided", "offset")):
             yield Case(num_experts=num_experts, do_expand=expand, do_cpu_sync=sync, fp8=fp8,
-                       num_bias=1, memory_form=form, seed=seed + 3 * i + j)
+                       num_bias=1, memory_form=form, tokens=("uneven", "empty_last")[i % 2],
+                       seed=seed + 3 * i + j)
 
 
 def run_cases(buffer, cases, seed: int) -> int:
