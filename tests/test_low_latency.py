@@ -134,6 +134,12 @@ def _errors(buffer, x, topk_idx, num_experts):
     raises(TypeError, "handle", buffer.low_latency_combine, torch.zeros(1), topk_idx,
            torch.zeros(topk_idx.shape), ("not", "a", "handle"))
     raises(ValueError, "rank_to_mask", buffer.low_latency_update_mask_buffer, 99, True)
+    handle = buffer.low_latency_dispatch(x, topk_idx, M, num_experts)[2]
+    raises(ValueError, "use_logfmt", buffer.low_latency_combine,
+           torch.zeros((num_experts // buffer.group_size, buffer.group_size * M, H),
+                       dtype=torch.bfloat16, device=x.device),
+           topk_idx, torch.zeros(topk_idx.shape, device=x.device), handle, use_logfmt=True,
+           zero_copy=True)
 
 
 def _rank_main(seed, num_experts, backend, device):
@@ -171,6 +177,18 @@ def _rank_main(seed, num_experts, backend, device):
         assert hook is None
         assert_equal(f"{mode} combined", combined.cpu(), ref_combined, check_dtype=True)
     assert_equal("cumulative_local_expert_recv_stats", stats.cpu(), expected_stats)
+
+    # LogFMT-10 combine: groups spanning more than 32 octaves (tiny channels round to 0),
+    # +-Inf, NaN and zeros cross as reference_logfmt says
+    wide = out_ref.clone()
+    wide[:, :, :8] *= 2.0 ** -60
+    wide[:, 0, 130], wide[:, 1, 5], wide[:, 2, 200:] = float("inf"), float("nan"), 0.0
+    ref = reference_low_latency_dispatch(x_ref, idx_ref, M, num_experts, group, use_fp8=False)
+    got = buffer.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=False)
+    combined, _, _ = buffer.low_latency_combine(wide.to(device), topk_idx, weights, got[2],
+                                                use_logfmt=True)
+    assert_equal("logfmt combined", combined.cpu(),
+                 reference_low_latency_combine(wide, ref, w_ref, group, use_logfmt=True))
 
     # the order of the additions: slot order gives (2^24 + 1) - 2^24 = 0 in fp32
     order_idx = torch.tensor([[0, 1, 2]], device=device).expand(x.shape[0], K).contiguous()

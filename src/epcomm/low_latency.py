@@ -31,6 +31,7 @@ graph is captured).
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -38,7 +39,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import errors
+from . import errors, logfmt
 from .backends.symmetric.heap import SymmetricHeap
 from .fp8 import BLOCK_SIZE, block_scales
 from .kernels import INTERPRET
@@ -46,6 +47,7 @@ from .kernels.launcher import next_power_of_2
 from .kernels.low_latency import (LowLatencyLayout, ll_combine_reduce, ll_combine_send,
                                   ll_dispatch_recv, ll_dispatch_send)
 from .kernels.sync import timeout_units
+from .nan import canonical_nan_
 
 __all__ = ["LowLatencyHandle", "LowLatencyShape", "LowLatencyTransport", "CollectiveLowLatency",
            "SymmetricLowLatency", "cast_blocks_to_fp8",
@@ -261,11 +263,12 @@ class LowLatencyTransport:
 
     def _send_combine(self, shape: LowLatencyShape, slot: _Slot, index: int, source: _Slot,
                       x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                      peers: tuple, result: torch.Tensor,
-                      wait_stats: Optional[torch.Tensor]) -> Callable[[], None]:
+                      peers: tuple, result: torch.Tensor, wait_stats: Optional[torch.Tensor],
+                      use_logfmt: bool) -> Callable[[], None]:
         """Start a combine in `slot` of the dispatch held by `source` and return the callable
         that reduces into `result` [T, H] bf16. x: [E_l, R * M, H] bf16 expert outputs;
-        peers: the ranks unmasked at the dispatch and now."""
+        peers: the ranks unmasked at the dispatch and now; use_logfmt: rows travel in
+        LogFMT-10 (`epcomm.logfmt`)."""
         raise NotImplementedError
 
     def take_slot(self) -> int:
@@ -330,8 +333,10 @@ class LowLatencyTransport:
     def dispatch(self, shape: LowLatencyShape, x: torch.Tensor, topk_idx: torch.Tensor, *,
                  masked: tuple, round_scale: bool,
                  cumulative_stats: Optional[torch.Tensor], wait_stats: Optional[torch.Tensor],
-                 return_recv_hook: bool):
-        """Send, and receive now or in the returned hook.
+                 return_recv_hook: bool, fresh_outputs: bool = False):
+        """Send, and receive now or in the returned hook. With `fresh_outputs`, recv_x, its
+        scales and recv_count are new tensors of this call (as a compiled op's outputs must
+        be) instead of the slot's; the handle's tensors stay the slot's.
 
         Returns (recv_x or (fp8, scales), recv_count, handle, hook or None)."""
         device = x.device
@@ -342,30 +347,35 @@ class LowLatencyTransport:
         slot.num_tokens = x.shape[0]
         slot.peers = tuple(r for r in range(shape.num_ranks) if r not in masked)
         generation = slot.dispatches
-        receive = self._send_dispatch(shape, slot, index, x, topk_idx, masked=masked,
+        outputs = slot if not fresh_outputs else dataclasses.replace(
+            slot, recv_x=torch.empty_like(slot.recv_x),
+            scales=None if slot.scales is None else torch.empty_like(slot.scales),
+            recv_count=torch.empty_like(slot.recv_count))
+        receive = self._send_dispatch(shape, outputs, index, x, topk_idx, masked=masked,
                                       round_scale=round_scale,
                                       cumulative_stats=cumulative_stats, wait_stats=wait_stats)
         E_l = shape.num_local
-        recv_x = slot.recv_x[:E_l]
+        recv_x = outputs.recv_x[:E_l]
         if shape.use_fp8:
-            recv_x = (recv_x, slot.scales[:E_l].transpose(1, 2))
+            recv_x = (recv_x, outputs.scales[:E_l].transpose(1, 2))
         handle = LowLatencyHandle((slot.src_info[:E_l], slot.layout_range, shape.max_tokens,
                                    shape.hidden, shape.num_experts), (shape, str(device)),
                                   index, generation)
         if not return_recv_hook:
             receive()
-            return recv_x, slot.recv_count, handle, None
+            return recv_x, outputs.recv_count, handle, None
 
         def check() -> None:
             if slot.dispatches != generation:
                 raise RuntimeError("low_latency_dispatch's hook called after its buffer was "
                                    "cleaned")
-        return recv_x, slot.recv_count, handle, self._hooked(index, receive, check)
+        return recv_x, outputs.recv_count, handle, self._hooked(index, receive, check)
 
     def combine(self, shape: LowLatencyShape, x: torch.Tensor, topk_idx: torch.Tensor,
                 topk_weights: torch.Tensor, handle: LowLatencyHandle, *, masked: tuple,
                 zero_copy: bool, out: Optional[torch.Tensor],
-                wait_stats: Optional[torch.Tensor], return_recv_hook: bool):
+                wait_stats: Optional[torch.Tensor], return_recv_hook: bool,
+                use_logfmt: bool = False):
         """Send the expert outputs back, and reduce now or in the returned hook.
 
         Returns (combined_x [T, H] bf16, hook or None)."""
@@ -387,7 +397,7 @@ class LowLatencyTransport:
         peers = tuple(r for r in source.peers if r not in masked)
         receive = self._send_combine(shape, slots[index], index, source, x, topk_idx,
                                      topk_weights, peers=peers, result=result,
-                                     wait_stats=wait_stats)
+                                     wait_stats=wait_stats, use_logfmt=use_logfmt)
         if not return_recv_hook:
             receive()
             return result, None
@@ -557,14 +567,21 @@ class CollectiveLowLatency(LowLatencyTransport):
             plane[e_of, j_of] = scales
 
     def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
-                      result, wait_stats):
+                      result, wait_stats, use_logfmt):
         R, cap, H = shape.num_ranks, shape.capacity, shape.hidden
         messages, sent = slot.messages, source.messages
         flat = sent.placed.clamp(max=shape.num_local * shape.rows - 1)
-        messages.combine_send.view(R * cap, H).copy_(x.reshape(-1, H).index_select(0, flat))
-        sends = [(messages.combine_send[p],) for p in range(R)]
-        recvs = [(messages.combine_recv[p * cap:(p + 1) * cap],) for p in range(R)]
-        pending = self._exchange(sends, recvs, peers, tag=2 + index)
+        rows = x.reshape(-1, H).index_select(0, flat)
+        if use_logfmt:  # each peer's message: the first cap rows of LogFMT-10 bytes of its part
+            width = logfmt.wire_bytes(H)
+            send = messages.combine_send.view(R, -1).view(torch.uint8)[:, :cap * width]
+            recv = messages.combine_recv.view(R, -1).view(torch.uint8)[:, :cap * width]
+            logfmt.encode_rows(rows.view(R, cap, H), send.view(R, cap, width))
+        else:
+            send, recv = messages.combine_send, messages.combine_recv.view(R, cap, H)
+            send.view(R * cap, H).copy_(rows)
+        pending = self._exchange([(send[p],) for p in range(R)], [(recv[p],) for p in range(R)],
+                                 peers, tag=2 + index)
         slot_row = sent.slot_row[:topk_weights.shape[0]]
         if len(peers) < len(source.peers):   # ranks masked since the dispatch: skip them
             owner = torch.where(slot_row >= 0, slot_row // cap, 0)
@@ -574,14 +591,17 @@ class CollectiveLowLatency(LowLatencyTransport):
 
         def receive() -> None:
             self._wait(pending, wait_stats)
-            reduce_slots(messages.combine_recv, slot_row, topk_weights, result)
+            rows = logfmt.decode_rows(recv.view(R, cap, -1), H).view(R * cap, H) \
+                if use_logfmt else messages.combine_recv
+            reduce_slots(rows, slot_row, topk_weights, result)
         return receive
 
 
 def reduce_slots(rows: torch.Tensor, slot_row: torch.Tensor, topk_weights: torch.Tensor,
                  out: torch.Tensor) -> None:
     """`out[t] = bf16(acc)`, `acc = 0.0` (fp32), then for `k = 0..K-1` with
-    `slot_row[t, k] >= 0`: `acc = acc + fp32(topk_weights[t, k] * fp32(rows[slot_row[t, k]]))`.
+    `slot_row[t, k] >= 0`: `acc = acc + fp32(topk_weights[t, k] * fp32(rows[slot_row[t, k]]))`;
+    a NaN result is the canonical bf16 NaN (docs/semantics.md, NaN).
 
     rows: [N, H] bf16; slot_row:
     [T, K] int64; topk_weights: [T, K] float32; out: [T, H] bf16, written in place."""
@@ -591,7 +611,7 @@ def reduce_slots(rows: torch.Tensor, slot_row: torch.Tensor, topk_weights: torch
     for k in range(K):
         term = topk_weights[:, k:k + 1] * rows.index_select(0, take[:, k]).float()
         acc = acc + torch.where(slot_row[:, k:k + 1] >= 0, term, 0.0)
-    out.copy_(acc.to(torch.bfloat16))
+    canonical_nan_(out.copy_(acc.to(torch.bfloat16)))
 
 
 @dataclass
@@ -724,7 +744,7 @@ class SymmetricLowLatency(LowLatencyTransport):
         return receive
 
     def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
-                      result, wait_stats):
+                      result, wait_stats, use_logfmt):
         device = topk_weights.device
         state = self._heap(shape, device)
         masked = tuple(r for r in range(shape.num_ranks) if r not in peers)
@@ -738,7 +758,7 @@ class SymmetricLowLatency(LowLatencyTransport):
             **common, **offsets, max_tokens=shape.max_tokens, epoch_ptr=state.epochs[1][index],
             x_ptr=x.contiguous().view(torch.int16), src_info_ptr=source.src_info,
             slot_ptr=source.recv_slot, range_ptr=source.layout_range,
-            ROWS=_ROWS_INTERPRET if INTERPRET else _ROWS,
+            ROWS=_ROWS_INTERPRET if INTERPRET else _ROWS, LOGFMT=use_logfmt,
             num_warps=_NUM_WARPS)
 
         def receive() -> None:
@@ -750,8 +770,8 @@ class SymmetricLowLatency(LowLatencyTransport):
                 out_ptr=result.view(torch.int16),
                 wait_ptr=dummy64 if wait_stats is None else wait_stats,
                 has_wait=int(wait_stats is not None),
-                BLOCK_K=next_power_of_2(shape.num_topk), num_warps=_NUM_WARPS,
-                enable_fp_fusion=False)
+                BLOCK_K=next_power_of_2(shape.num_topk), LOGFMT=use_logfmt,
+                num_warps=_NUM_WARPS, enable_fp_fusion=False)
             if device.type == "cpu":
                 self.check_errors(device)
         return receive

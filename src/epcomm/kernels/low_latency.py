@@ -400,6 +400,65 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
     _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
 
 
+# ------------------------------------------------------------------------------- LogFMT-10
+# The wire form of `epcomm.logfmt` (docs/semantics.md, `use_logfmt`): per group of 128
+# channels at byte 164 g of a row, a header `top | step << 16`, 128 low code bytes, 32 bytes of
+# (code bit 8 | sign << 1) pairs, four channels a byte.
+@triton.jit
+def _logfmt_store(values, row_addr, rmask, part, num_groups, ROWS: tl.constexpr,
+                  BLOCK_C: tl.constexpr):
+    """Encode `values` ([ROWS, BLOCK_C] bf16 bits, channel part `part` of each row) and store
+    their groups into the rows at byte addresses `row_addr` ([ROWS] int64) where `rmask`."""
+    GP: tl.constexpr = BLOCK_C // 128
+    bits = tl.reshape(values.to(tl.int32) & 0xFFFF, [ROWS, GP, 128])
+    m = bits & 0x7FFF
+    finite = m < 0x7F80
+    top = tl.max(tl.where(finite, m, 0), axis=2)
+    low = tl.minimum(tl.min(tl.where(finite, m, 0x7F80), axis=2), top)
+    step = tl.maximum((top - tl.maximum(low, top - 4096) + 507) // 508, 1)
+    below = (top[:, :, None] - m + step[:, :, None] // 2) // step[:, :, None]
+    code = tl.where(below <= 508, 509 - below, 0)
+    code = tl.where(finite, code, tl.where(m == 0x7F80, 510, 511))
+    gg = part * GP + tl.arange(0, GP)
+    gmask = rmask[:, None] & (gg < num_groups)[None, :]
+    group = row_addr[:, None] + gg[None, :].to(tl.int64) * 164            # [ROWS, GP]
+    tl.store(group.to(tl.pointer_type(tl.int32)), top | (step << 16), mask=gmask)
+    cc = tl.arange(0, 128)
+    tl.store((group[:, :, None] + 4 + cc[None, None, :]).to(tl.pointer_type(tl.uint8)),
+             (code & 0xFF).to(tl.uint8), mask=gmask[:, :, None])
+    pairs = tl.reshape((code >> 8) | ((bits >> 15) << 1), [ROWS, GP, 32, 4])
+    shifts = tl.arange(0, 4) * 2
+    high = tl.sum(pairs << shifts[None, None, None, :], axis=3)
+    qq = tl.arange(0, 32)
+    tl.store((group[:, :, None] + 132 + qq[None, None, :]).to(tl.pointer_type(tl.uint8)),
+             high.to(tl.uint8), mask=gmask[:, :, None])
+
+
+@triton.jit
+def _logfmt_load(row_addr, rmask, part, num_groups, BLOCK_K: tl.constexpr,
+                 BLOCK_C: tl.constexpr):
+    """The [BLOCK_K, BLOCK_C] bf16 bits (int32) of channel part `part` of the LogFMT-10 rows
+    at byte addresses `row_addr` ([BLOCK_K] int64, read where `rmask`; 0 elsewhere)."""
+    GP: tl.constexpr = BLOCK_C // 128
+    gg = part * GP + tl.arange(0, GP)
+    gmask = rmask[:, None] & (gg < num_groups)[None, :]
+    group = row_addr[:, None] + gg[None, :].to(tl.int64) * 164            # [K, GP]
+    header = tl.load(group.to(tl.pointer_type(tl.int32)), mask=gmask, other=0, volatile=True)
+    top = (header & 0xFFFF)[:, :, None]
+    step = (header >> 16)[:, :, None]
+    cc = tl.arange(0, 128)
+    low = tl.load((group[:, :, None] + 4 + cc[None, None, :]).to(tl.pointer_type(tl.uint8)),
+                  mask=gmask[:, :, None], other=0, volatile=True).to(tl.int32)
+    high = tl.load((group[:, :, None] + 132 + (cc // 4)[None, None, :])
+                   .to(tl.pointer_type(tl.uint8)), mask=gmask[:, :, None], other=0,
+                   volatile=True).to(tl.int32)
+    pair = (high >> ((cc % 4) * 2)[None, None, :]) & 3
+    code = low | ((pair & 1) << 8)
+    magnitude = tl.where(code == 0, 0, tl.maximum(top - (509 - code) * step, 0))
+    magnitude = tl.where(code == 510, 0x7F80, tl.where(code == 511, 0x7FC0, magnitude))
+    return tl.reshape(magnitude | ((pair >> 1) << 15), [BLOCK_K, BLOCK_C])
+
+
 # ------------------------------------------------------------------------------- combine
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "num_topk", "timeout",
@@ -407,10 +466,11 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
 def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, hidden,
                     num_topk, mask_ptr, epoch_ptr, error_ptr, timeout, arrive_off, free_off,
                     rows_off, x_ptr, src_info_ptr, slot_ptr, range_ptr, BLOCK_R: tl.constexpr,
-                    BLOCK_C: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr):
+                    BLOCK_C: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
+                    LOGFMT: tl.constexpr):
     """Program (local expert e, source s, channel part p) of E_l * R * P: x_ptr [E_l, R*M, H]
     bf16 bits (int16); src_info, slot [E_l, R*M] int32 and range [E_l, R] int64 from the
-    dispatch. ROWS rows per step."""
+    dispatch. ROWS rows per step. LOGFMT: rows go in LogFMT-10 (BLOCK_C a multiple of 128)."""
     e, src, part = _program(num_ranks, num_parts)
     rows = num_ranks * max_tokens
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
@@ -434,11 +494,13 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
             at = e.to(tl.int64) * rows + first + i0 + ii
             t = tl.load(src_info_ptr + at, mask=imask, other=0)
             k = tl.load(slot_ptr + at, mask=imask, other=0)
-            dst = _at(base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2, tl.int16,
-                      ALIGN)
+            row = base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2
             both = imask[:, None] & cmask[None, :]
-            values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both)
-            tl.store(dst[:, None] + cc[None, :], values, mask=both)
+            values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both, other=0)
+            if LOGFMT:
+                _logfmt_store(values, row, imask, part, hidden // 128, ROWS, BLOCK_C)
+            else:
+                tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values, mask=both)
     # Arrived at the source (E_l * P per owner and call).
     add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one)
 
@@ -450,10 +512,10 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
                       max_tokens, num_parts, hidden, num_topk, mask_ptr, epoch_ptr, done_ptr,
                       error_ptr, timeout, arrive_off, free_off, rows_off, idx_ptr, weights_ptr,
                       out_ptr, wait_ptr, has_wait, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+                      BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
     """Program (token slot t, channel part p) of M * P: idx_ptr [T, K] int32/int64,
     weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The K rows of a part are
-    loaded at once, then added in slot order."""
+    loaded at once (LOGFMT: decoded from LogFMT-10), then added in slot order."""
     _, t, part = _program(max_tokens, num_parts)
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
@@ -469,13 +531,16 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
         ids = _live_ids(ids, num_experts, num_local, mask_ptr)
         source = _first_slots(ids, kk, BLOCK_K)
         weights = tl.load(weights_ptr + t.to(tl.int64) * num_topk + kk, mask=kmask, other=0.0)
-        rows = _at(own + rows_off + (t.to(tl.int64) * num_topk + source) * hidden * 2, tl.int16,
-                   ALIGN)
+        rows = own + rows_off + (t.to(tl.int64) * num_topk + source) * hidden * 2
         cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cc < hidden
         both = (ids >= 0)[:, None] & cmask[None, :]
-        values = bf16_to_f32(tl.load(rows[:, None] + cc[None, :], mask=both, other=0,
-                                     volatile=True))
+        if LOGFMT:
+            values = bf16_to_f32(_logfmt_load(rows, ids >= 0, part, hidden // 128, BLOCK_K,
+                                              BLOCK_C))
+        else:
+            values = bf16_to_f32(tl.load(_at(rows, tl.int16, ALIGN)[:, None] + cc[None, :],
+                                         mask=both, other=0, volatile=True))
         terms = weights[:, None] * values           # [K, C], each rounded to fp32
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         for k in tl.static_range(BLOCK_K):

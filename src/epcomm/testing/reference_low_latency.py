@@ -17,8 +17,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-__all__ = ["ReferenceLowLatency", "reference_fp8_cast", "reference_low_latency_dispatch",
-           "reference_low_latency_combine"]
+from .reference import _quiet_nan
+
+__all__ = ["ReferenceLowLatency", "reference_fp8_cast", "reference_logfmt",
+           "reference_low_latency_dispatch", "reference_low_latency_combine"]
 
 Tensor = torch.Tensor
 
@@ -147,14 +149,40 @@ def reference_low_latency_dispatch(x: Tensor, topk_idx: Tensor, max_tokens: int,
     return ReferenceLowLatency(recv_count, rows, scales, src_info, layout, sources, topk)
 
 
+def reference_logfmt(row: Tensor) -> Tensor:
+    """A bf16 row ([H], H a multiple of 128) after its LogFMT-10 round trip, group by group
+    with Python integers (docs/semantics.md, `use_logfmt`)."""
+    values = [int(v) & 0xFFFF for v in row.contiguous().view(torch.int16).tolist()]
+    out = []
+    for begin in range(0, len(values), 128):
+        group = values[begin:begin + 128]
+        finite = [v & 0x7FFF for v in group if v & 0x7FFF < 0x7F80]
+        top = max(finite, default=0)
+        lo = max(min(finite, default=0), top - 4096)
+        step = max(1, -(-(top - lo) // 508))
+        for v in group:
+            m, sign = v & 0x7FFF, v >> 15
+            if m == 0x7F80 or m > 0x7F80:
+                decoded = m if m == 0x7F80 else 0x7FC0
+            else:
+                below = (top - m + step // 2) // step
+                decoded = 0 if below > 508 else max(0, top - below * step)
+            out.append(decoded | sign << 15)
+    bits = torch.tensor([v - 0x10000 if v >= 0x8000 else v for v in out], dtype=torch.int16)
+    return bits.view(torch.bfloat16)
+
+
 def reference_low_latency_combine(expert_out: Tensor, dispatched: ReferenceLowLatency,
-                                  topk_weights: Tensor, group, masked: tuple = ()) -> Tensor:
+                                  topk_weights: Tensor, group, masked: tuple = (),
+                                  use_logfmt: bool = False) -> Tensor:
     """The low-latency combine, literally (collective over `group`).
 
     expert_out: [E_l, R * M, H] bf16, this rank's expert outputs in `recv_x`'s layout;
     topk_weights: [T, K] float32. Returns [T, H] bf16: for token t, `acc = 0.0` (fp32) and
     for k = 0..K-1, if slot k's expert is valid and neither rank is masked,
-    `acc = acc + fp32(w[t, k] * fp32(row))`, with row the expert's row of (this rank, t)."""
+    `acc = acc + fp32(w[t, k] * fp32(row))`, with row the expert's row of (this rank, t)
+    (after its `reference_logfmt` round trip with `use_logfmt`); a NaN is the canonical
+    0x7FC0."""
     rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
     num_local = expert_out.shape[0]
     outputs = _gather(expert_out.contiguous(), group)
@@ -172,6 +200,8 @@ def reference_low_latency_combine(expert_out: Tensor, dispatched: ReferenceLowLa
             if owner in masked:
                 continue
             j = dispatched.sources[owner][local].index((rank, t))
-            acc = acc + topk_weights[t, k] * outputs[owner][local, j].float()
+            row = outputs[owner][local, j]
+            row = reference_logfmt(row) if use_logfmt else row
+            acc = acc + topk_weights[t, k] * row.float()
         combined[t] = acc.to(torch.bfloat16)
-    return combined
+    return _quiet_nan(combined)
