@@ -64,7 +64,8 @@ their receive hooks, `get_next_low_latency_combine_buffer`, `clean_low_latency_b
 mask API (`enable_shrink=True`) are DeepEP's, carried by `epcomm.low_latency` over peer memory
 (CUDA, one node; Triton kernels) or point-to-point messages of the group (anywhere else);
 docs/semantics.md ("Low-latency mode") defines every output bit, including the row order
-DeepEP leaves to its atomics. `use_logfmt=True` is not implemented.
+DeepEP leaves to its atomics. `use_logfmt=True` sends the combine's rows in epcomm's own
+10-bit LogFMT-10 (`epcomm.logfmt`), as lossy as DeepEP's but with other values.
 
 Differences and what is missing:
 - `combined_topk_weights[t, j]` is the weight the rank owning slot `j`'s expert sent back (0 for
@@ -91,6 +92,8 @@ Differences and what is missing:
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
@@ -383,6 +386,20 @@ def _check_hook_options(async_finish, return_recv_hook) -> None:
                          "hook receives on the current stream)")
 
 
+# The V1 buffers by `buffer_id`, for `epcomm.ops_low_latency` (weak: a buffer leaves when it
+# is collected).
+_buffer_ids = itertools.count()
+_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
+
+
+def live_buffer(buffer_id: int) -> "Buffer":
+    """The live V1 `Buffer` whose `buffer_id` is `buffer_id` (ValueError if it is gone)."""
+    buffer = _live_buffers.get(buffer_id)
+    if buffer is None:
+        raise ValueError(f"buffer_id {buffer_id}: no live epcomm.legacy.Buffer has this id")
+    return buffer
+
+
 def _finish_event(device: torch.device, async_finish: bool) -> EventOverlap:
     """A low-latency call's event: with `async_finish` on CUDA, one recorded on the current
     stream (where the call's work runs); else empty."""
@@ -594,6 +611,8 @@ class Buffer:
         self._low_latency: dict[str, LowLatencyTransport] = {}  # device -> transport
         self._low_latency_timeout_s = low_latency_timeout_s
         self._masked: set[int] = set()             # ranks masked by the mask API
+        self.buffer_id = next(_buffer_ids)  # epcomm only: names it to the compiled ops
+        _live_buffers[self.buffer_id] = self
 
     # -- static and information ----------------------------------------------------------
     @staticmethod
@@ -806,6 +825,22 @@ class Buffer:
         The outputs live in one of two alternating buffers: they stay valid until the
         next-but-one low-latency call (dispatch or combine) of this buffer.
         """
+        transport, shape = self._low_latency_call(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+            round_scale, use_ue8m0)
+        _check_hook_options(async_finish, return_recv_hook)
+        recv_x, recv_count, handle, hook = transport.dispatch(
+            shape, x.contiguous(), topk_idx.contiguous(), masked=tuple(sorted(self._masked)),
+            round_scale=bool(round_scale), cumulative_stats=cumulative_local_expert_recv_stats,
+            wait_stats=dispatch_wait_recv_cost_stats, return_recv_hook=bool(return_recv_hook))
+        return recv_x, recv_count, handle, _finish_event(x.device, async_finish), hook
+
+    def _low_latency_call(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                          cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats,
+                          use_fp8, round_scale, use_ue8m0):
+        """Check a low-latency dispatch's arguments (before any communication); returns its
+        (transport, shape)."""
         self._check_low_latency("low_latency_dispatch")
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -845,18 +880,12 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             _check_tensor("dispatch_wait_recv_cost_stats", dispatch_wait_recv_cost_stats,
                           (torch.int64,), (num_ranks,), device)
-        _check_hook_options(async_finish, return_recv_hook)
         self._check_rdma_bytes(max_tokens, hidden, num_experts)
         transport = self._low_latency_transport("low_latency_dispatch", device)
-        shape = LowLatencyShape(num_ranks=num_ranks, rank=self.rank, max_tokens=max_tokens,
-                                hidden=hidden, num_experts=num_experts,
-                                num_topk=topk_idx.shape[1], use_fp8=bool(use_fp8),
-                                use_ue8m0=bool(use_ue8m0))
-        recv_x, recv_count, handle, hook = transport.dispatch(
-            shape, x.contiguous(), topk_idx.contiguous(), masked=tuple(sorted(self._masked)),
-            round_scale=bool(round_scale), cumulative_stats=cumulative_local_expert_recv_stats,
-            wait_stats=dispatch_wait_recv_cost_stats, return_recv_hook=bool(return_recv_hook))
-        return recv_x, recv_count, handle, _finish_event(device, async_finish), hook
+        return transport, LowLatencyShape(
+            num_ranks=num_ranks, rank=self.rank, max_tokens=max_tokens, hidden=hidden,
+            num_experts=num_experts, num_topk=topk_idx.shape[1], use_fp8=bool(use_fp8),
+            use_ue8m0=bool(use_ue8m0))
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor,
                             topk_weights: torch.Tensor, handle: tuple, use_logfmt: bool = False,
@@ -875,7 +904,9 @@ class Buffer:
             topk_weights: [T, K] float32 weights.
             handle: the `LowLatencyHandle` of the dispatch (not stale: see the buffers note in
                 `low_latency_dispatch`).
-            use_logfmt: must be False (DeepEP's LogFMT combine format is not implemented).
+            use_logfmt: send the expert outputs in LogFMT-10, 10 bits a value (`epcomm.logfmt`;
+                lossy: docs/semantics.md defines the values, which are not DeepEP's LogFMT
+                values); needs H a multiple of 128, not with `zero_copy`.
             zero_copy: read the expert outputs from the combine buffer (see `x`).
             async_finish: return an event to wait on (CUDA); not with `return_recv_hook`.
             return_recv_hook: only issue the sends; the returned `hook()` receives and reduces.
@@ -892,9 +923,10 @@ class Buffer:
         self._check_low_latency("low_latency_combine")
         shape, device = _low_latency_handle(handle)
         transport = self._low_latency_transport("low_latency_combine", device)
-        if use_logfmt:
-            raise NotImplementedError("use_logfmt=True: DeepEP's LogFMT combine format is not "
-                                      "implemented by epcomm (combine sends bf16)")
+        if use_logfmt and (zero_copy or shape.hidden % 128):
+            raise ValueError(f"use_logfmt=True needs zero_copy=False and a hidden size that is a "
+                             f"multiple of 128 (got zero_copy={zero_copy}, hidden="
+                             f"{shape.hidden})")
         _check_tensor("x", x, (torch.bfloat16,), (shape.num_local, shape.rows, shape.hidden),
                       device)
         num_tokens = transport.num_tokens(handle)
@@ -913,7 +945,8 @@ class Buffer:
         combined, hook = transport.combine(
             shape, x, topk_idx.contiguous(), topk_weights.contiguous(), handle,
             masked=tuple(sorted(self._masked)), zero_copy=bool(zero_copy), out=out,
-            wait_stats=combine_wait_recv_cost_stats, return_recv_hook=bool(return_recv_hook))
+            wait_stats=combine_wait_recv_cost_stats, return_recv_hook=bool(return_recv_hook),
+            use_logfmt=bool(use_logfmt))
         return combined, _finish_event(device, async_finish), hook
 
     def get_next_low_latency_combine_buffer(self, handle: tuple) -> torch.Tensor:

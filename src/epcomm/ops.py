@@ -19,6 +19,9 @@ model. The ops (namespace `epcomm`):
   `Buffer.combine` through the handle `key` names (`num_tokens`: its T). Returns `combined_x`
   [T, H] bf16 and `combined_topk_weights` [T, K] float32 or None.
 
+The low-latency (decode) pair has ops of its own in `epcomm.ops_low_latency` (imported on
+demand: it needs Triton).
+
 Each has a fake (meta) implementation whose shapes follow the contract: a sync-free dispatch
 returns the capacity rows (compact `R * M`, expand `align(R * M * min(K, E_l) + (a - 1) * E_l)`);
 a synchronizing one returns a data-dependent row count, declared to the compiler as a new
@@ -68,22 +71,25 @@ from .layout import expand_capacity
 
 _LIB = torch.library.Library("epcomm", "DEF")
 
-_LIB.define(
+
+def define(schema: str) -> None:
+    """Define the op `epcomm::<schema>` (a collective that graphs may trace: pt2-compliant)."""
+    _LIB.define(schema, tags=(torch.Tag.pt2_compliant_tag,))
+
+
+define(
     "dispatch(Tensor x, Tensor? x_scales, Tensor topk_idx, Tensor? topk_weights, int buffer_id, "
     "int num_experts, int num_max_tokens_per_rank, int expert_alignment, bool do_cpu_sync, "
     "bool do_expand, bool do_zero_padding, int num_sms) -> (Tensor recv_x, Tensor? recv_x_scales, "
     "Tensor? recv_topk_idx, Tensor? recv_topk_weights, Tensor key, "
-    "Tensor psum_num_recv_tokens_per_scaleup_rank, Tensor psum_num_recv_tokens_per_expert)",
-    tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.define(
+    "Tensor psum_num_recv_tokens_per_scaleup_rank, Tensor psum_num_recv_tokens_per_expert)")
+define(
     "cached_dispatch(Tensor x, Tensor? x_scales, Tensor? topk_weights, Tensor key, int buffer_id, "
     "SymInt num_rows, bool do_expand, bool do_zero_padding, bool owned_weights_only) "
-    "-> (Tensor recv_x, Tensor? recv_x_scales, Tensor? recv_topk_weights)",
-    tags=(torch.Tag.pt2_compliant_tag,))
-_LIB.define(
+    "-> (Tensor recv_x, Tensor? recv_x_scales, Tensor? recv_topk_weights)")
+define(
     "combine(Tensor x, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor key, "
-    "int buffer_id, SymInt num_tokens) -> (Tensor combined_x, Tensor? combined_topk_weights)",
-    tags=(torch.Tag.pt2_compliant_tag,))
+    "int buffer_id, SymInt num_tokens) -> (Tensor combined_x, Tensor? combined_topk_weights)")
 
 
 # -- handle keys -------------------------------------------------------------------------------
@@ -98,9 +104,10 @@ _handles: "weakref.WeakValueDictionary[int, EPHandle]" = weakref.WeakValueDictio
 _serials = itertools.count(1)
 
 
-def key_of(handle: EPHandle) -> torch.Tensor:
-    """A new key for `handle`: a CPU int64 tensor [1] holding a fresh serial number, whose
-    memory keeps `handle` alive."""
+def key_of(handle) -> torch.Tensor:
+    """A new key for `handle` (an `EPHandle`, or what `epcomm.ops_low_latency` keys: any object
+    that can be weakly referenced): a CPU int64 tensor [1] holding a fresh serial number,
+    whose memory keeps `handle` alive."""
     serial = next(_serials)
     memory = _KeyMemory(8)
     memory.handle = handle
