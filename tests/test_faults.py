@@ -201,6 +201,25 @@ def symmetric_faults(device):
             errors.EPMismatchError, first_other, buffer)
     _round_trip(buffer, 6, 4)
 
+    # A combine whose ranks disagree (weights from rank 0 only): flagged on every rank; where
+    # the outputs come back before the flag is read (the GPU's sync-free combine), each rank's
+    # sum leaves out the rows of the ranks that differ (here: keeps only its own).
+    x, idx, weights = _data(9, M, 4, device=device)
+    recv_x, _, recv_w, handle, _ = buffer.dispatch(x, idx, weights, num_experts=4)
+    y = (recv_x.float() * 3).bfloat16()
+    got = []
+    _within(MARGIN_S, lambda: got.append(buffer.combine(
+        y, handle, topk_weights=recv_w if rank == 0 else None)[0]),
+        errors.EPMismatchError, first_other, buffer)
+    group = dist.group.WORLD
+    ref = reference_dispatch(*_cpu(x, idx, weights), 4, M, group)
+    rows = ref.src_token.shape[0]
+    own = (ref.src_token // M == rank).view(-1, 1)
+    y_own = torch.where(own, y[:rows].cpu(), torch.zeros((), dtype=torch.bfloat16))
+    want = reference_combine(y_own, ref, idx.cpu(), 4, group)[0]
+    if got:
+        assert_equal("combine with a mismatched peer", got[0].cpu(), want)
+
     # NaN: dispatch moves the bits (0xFFFF, a signalling 0x7F81); a NaN combine output is the
     # canonical quiet NaN, as the reference's.
     x, idx, weights = _data(7, M, 4, device=device)

@@ -17,7 +17,7 @@ Send part (P programs, compact rows split into P chunks):
 
 Reduce part (the same P programs, tokens split into P chunks): wait for every ready counter and
 check the stamps (a peer out of step or whose call had weights where this one has none, or the
-reverse, is flagged), then `combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot
+reverse, or one that never arrived, is flagged, and its rows are left out), then `combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot
 of each rank, in slot order)` in fp32 (docs/semantics.md), the weights of each slot from its
 rank's record (a NaN weight as the canonical quiet NaN); add 1 to every peer's free counter.
 """
@@ -134,8 +134,8 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 
 
 @triton.jit
-def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
-                 weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
+def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                 record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
                  out_ptr, w_out, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
                  VEC: tl.constexpr, BLOCK_H: tl.constexpr):
@@ -150,9 +150,11 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record
     hidden = tl.multiple_of(hidden, VEC)
     ready = own_counters(bases_ptr, rank, flags_offset, rr)
     await_counters(ready, rmask, call * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
-    # Peers out of step or with other arguments are flagged (their rows are still summed).
-    stamped_words(ready, own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr),
-                  rr, rmask, call, num_programs, signature, error_ptr)
+    # Peers out of step, with other arguments or not arrived are flagged, and their rows are
+    # left out (not mixed in: their slots count as -1).
+    counted = stamped_words(ready, own_counters(bases_ptr, rank,
+                                                flags_offset + 2 * num_ranks * 8, rr),
+                            rr, rmask, call, num_programs, signature, error_ptr) != 0
 
     base = tl.load(bases_ptr + rank) + region_offset
     begin, end = program_chunk(num_tokens)
@@ -162,6 +164,10 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record
         t64 = tt.to(tl.int64)
         hmask = tmask[:, None] & kmask[None, :]
         slots = tl.load(slot_ptr + t64[:, None] * K + kk[None, :], mask=hmask, other=-1)
+        owner = tl.where(slots >= 0, slots // stride_tokens, -1)
+        ok = sum_along(tl.where(owner[:, :, None] == rr[None, None, :],
+                                counted.to(tl.int32)[None, None, :], 0), 2)
+        slots = tl.where(ok > 0, slots, -1)
         # A slot adds its rank's row only if no later slot of the token has the same rank
         # (the same record). The tile walks the n-th such slot of every token at once.
         later = (kk[None, None, :] > kk[None, :, None]) & (slots[:, None, :] == slots[:, :, None])
@@ -212,8 +218,8 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
                         record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr,
                         expand, weights_ptr, has_w, hidden, error_ptr, timeout, signature, K,
                         BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
-    _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, record_words,
-                 weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
+    _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                 record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
                  out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature, K, BLOCK_K,
                  BLOCK_R, ROWS, VEC, BLOCK_H)
 
