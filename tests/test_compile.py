@@ -280,10 +280,42 @@ def run_inference(target: str, seed: int) -> int:
     return counter.frame_count
 
 
+def run_fp8_weights_gradient(target: str, seed: int) -> None:
+    """A compiled FP8 dispatch in training: its rows get no gradient, its weights the same one
+    as through a bf16 dispatch of the same routing (eager)."""
+    device, backend, compiler = target.split(":")
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    buffer = Buffer(dist.group.WORLD, M, H, K, device=device, backend=backend)
+    num_experts = EXPERTS_PER_RANK * num_ranks
+    gen = torch.Generator().manual_seed(seed + 7 * rank)
+    x = torch.randn(M - rank, H, generator=gen).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(num_experts, generator=gen)[:K] for _ in range(M - rank)])
+    idx[0, 1] = -1
+    scale = torch.randn(num_ranks * M, K, generator=gen).to(device)
+
+    def loss(payload, topk_idx, topk_weights):
+        recv_x, _, recv_w, _ = ep.dispatch(buffer, payload, topk_idx, topk_weights,
+                                           num_experts=num_experts, do_cpu_sync=False)
+        return (recv_w * scale).sum()
+
+    grads = []
+    for payload, run in ((x, loss), (per_token_cast_to_fp8(x), torch.compile(
+            loss, fullgraph=True, backend=compiler))):
+        weights = torch.rand(M - rank, K, generator=torch.Generator().manual_seed(seed + rank))
+        weights = weights.to(device).requires_grad_()
+        payload = tuple(t.to(device) for t in payload) if isinstance(payload, tuple) else \
+            payload.to(device)
+        run(payload, idx.to(device), weights).backward()
+        grads.append(weights.grad)
+    assert_equal("FP8 dispatch's weights gradient", grads[1], grads[0])
+    buffer.destroy()
+
+
 def run_compiled(target: str, seed: int) -> list[str]:
-    """`run_training` and `run_inference` on one set of ranks (one process start)."""
+    """`run_training`, `run_inference` and `run_fp8_weights_gradient` on one set of ranks
+    (one process start)."""
     done = []
-    for run in (run_training, run_inference):
+    for run in (run_training, run_inference, run_fp8_weights_gradient):
         try:
             run(target, seed)
         except AssertionError as exc:
@@ -298,7 +330,7 @@ def test_compiled_moe_matches_eager_and_reference(target: str) -> None:
     dispatch), compiled with fullgraph=True: one graph each, bitwise as eager and the
     reference; handles freed with their keys."""
     assert run_local_ranks(run_compiled, 2, target, BASE_SEED) == \
-        [["run_training", "run_inference"]] * 2
+        [["run_training", "run_inference", "run_fp8_weights_gradient"]] * 2
 
 
 def run_cuda_graph(seed: int) -> int:

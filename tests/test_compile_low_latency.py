@@ -82,7 +82,10 @@ def run(seed: int, backend: str, device: str, compile_backend: str) -> int:
     counter = CompileCounterWithBackend(compile_backend)
     compiled = torch.compile(_step, backend=counter, fullgraph=True, dynamic=False)
     checked = 0
-    for use_fp8, use_logfmt in ((False, False), (True, True)):
+    # (the interpreter is slow: peer memory on CPU runs the FP8 + LogFMT variant only)
+    variants = ((True, True),) if backend == "symmetric" and device == "cpu" else \
+        ((False, False), (True, True))
+    for use_fp8, use_logfmt in variants:
         for _ in range(2):  # new data, same shapes: no recompilation
             num_tokens = M - rank % 2
             x = torch.randn(num_tokens, H, generator=gen).to(device, torch.bfloat16)
@@ -104,7 +107,7 @@ def run(seed: int, backend: str, device: str, compile_backend: str) -> int:
             assert_equal("combined_x", got[2].cpu(), want[2].cpu())
             assert_equal("combined_x after later calls", got[2].cpu(), kept[-1].cpu())
             checked += 1
-    assert counter.frame_count == 2, counter.frame_count  # one graph per (fp8, logfmt) variant
+    assert counter.frame_count == len(variants), counter.frame_count  # one graph per variant
     with pytest.raises(ValueError, match="low-latency dispatch"):
         from epcomm.ops import key_of
         low_latency_combine(buffer, torch.zeros(EXPERTS_PER_RANK, num_ranks * M, H,
@@ -119,5 +122,6 @@ def run(seed: int, backend: str, device: str, compile_backend: str) -> int:
 def test_compiled_decode_step_matches_eager(num_ranks, backend, device, compile_backend):
     if backend == "symmetric":
         pytest.importorskip("triton")
+    checked = 2 if backend == "symmetric" and device == "cpu" else 4
     assert run_seeded(run, num_ranks, SEED, SEED, backend, device, compile_backend) == \
-        [4] * num_ranks
+        [checked] * num_ranks

@@ -3,7 +3,8 @@
 They run eagerly as they are and compile without graph breaks (`torch.compile(fullgraph=True)`).
 The backward of dispatch is a combine through the same handle (each received row's gradient
 flows back to its source token and is summed there); the backward of combine is a cached
-dispatch of the output gradient. bf16 inputs for training (an FP8 dispatch runs forward only).
+dispatch of the output gradient. bf16 inputs for training; an FP8 dispatch's rows have no
+gradient, but its weights' gradient flows (a combine of zero rows with the weight gradients).
 
 Weight gradients: in the expand layout they are exact. In the compact layout every receiving
 rank gets the token's full weights row, but the gradient returned for slot `j` is the one from
@@ -41,7 +42,8 @@ def dispatch(buffer: Union[Buffer, ElasticBuffer],
     dispatches through its `Buffer` of (H, K) (under `torch.compile`, make it with `hidden`
     and `num_topk` so that this one exists before the first call).
 
-    `x`: [T, H] bf16, or (x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/128)]) (forward only).
+    `x`: [T, H] bf16, or (x_fp8 [T, H] float8_e4m3fn, scales [T, ceil(H/128)]) (no gradient
+    for FP8 rows; `topk_weights` still gets one).
     With `handle` (a `Handle` from this function, or an `EPHandle`): a cached dispatch of `x`
     (and `topk_weights`) through that routing. The stream and event options of
     `Buffer.dispatch`, `cumulative_local_expert_recv_stats` and

@@ -906,7 +906,8 @@ class Buffer:
                 `low_latency_dispatch`).
             use_logfmt: send the expert outputs in LogFMT-10, 10 bits a value (`epcomm.logfmt`;
                 lossy: docs/semantics.md defines the values, which are not DeepEP's LogFMT
-                values); needs H a multiple of 128, not with `zero_copy`.
+                values); needs H a multiple of 128, not with `zero_copy`; the same on every
+                rank (the rows' format is not checked across ranks).
             zero_copy: read the expert outputs from the combine buffer (see `x`).
             async_finish: return an event to wait on (CUDA); not with `return_recv_hook`.
             return_recv_hook: only issue the sends; the returned `hook()` receives and reduces.

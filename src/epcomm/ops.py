@@ -27,7 +27,8 @@ returns the capacity rows (compact `R * M`, expand `align(R * M * min(K, E_l) + 
 a synchronizing one returns a data-dependent row count, declared to the compiler as a new
 dynamic size. Autograd is registered on the ops: the backward of a dispatch (cached or not) is a
 combine of the gradient through the same handle; the backward of a combine is a cached
-dispatch of the gradient. FP8 dispatch is not differentiable (its backward raises).
+dispatch of the gradient. An FP8 dispatch's rows have no gradient; its weights' gradient flows
+as a bf16 one's.
 
 The ops are collectives: every rank must run them in the same order. Data orders them (a
 layer's dispatch, experts, combine; one layer's output is the next one's input; each backward
@@ -307,30 +308,37 @@ def _bf16(grad: torch.Tensor) -> torch.Tensor:
     return grad.to(torch.bfloat16).contiguous()
 
 
+def _save_dispatch(ctx, x, x_scales, key, buffer_id, recv_x) -> None:
+    ctx.save_for_backward(key)
+    ctx.buffer_id, ctx.num_tokens, ctx.fp8 = buffer_id, x.shape[0], x_scales is not None
+    ctx.recv_shape = recv_x.shape
+
+
 def _dispatch_setup(ctx, inputs, output) -> None:
     x, x_scales, _, _, buffer_id = inputs[:5]
-    ctx.save_for_backward(output[4])
-    ctx.buffer_id, ctx.num_tokens, ctx.fp8 = buffer_id, x.shape[0], x_scales is not None
+    _save_dispatch(ctx, x, x_scales, output[4], buffer_id, output[0])
 
 
 def _cached_dispatch_setup(ctx, inputs, output) -> None:
     x, x_scales, _, key, buffer_id = inputs[:5]
-    ctx.save_for_backward(key)
-    ctx.buffer_id, ctx.num_tokens, ctx.fp8 = buffer_id, x.shape[0], x_scales is not None
+    _save_dispatch(ctx, x, x_scales, key, buffer_id, output[0])
 
 
 def _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, weights_index: int):
     """(grad x, grad topk_weights) of a dispatch: the combine of its output gradients (the
-    gradients of outputs are materialized: zeros where an output was not used)."""
-    if ctx.fp8:
-        raise RuntimeError("FP8 dispatch is not differentiable (dispatch bf16 x for training)")
+    gradients of outputs are materialized: zeros where an output was not used). FP8 rows
+    have no gradient (None for x); the weights' still flows, through a combine of zero rows."""
     key, = ctx.saved_tensors
     if not ctx.needs_input_grad[weights_index]:
         grad_recv_weights = None
+    if ctx.fp8:
+        if grad_recv_weights is None:
+            return None, None
+        grad_recv_x = grad_recv_weights.new_zeros(ctx.recv_shape, dtype=torch.bfloat16)
     grad_x, grad_weights = torch.ops.epcomm.combine(
         _bf16(grad_recv_x), None if grad_recv_weights is None else grad_recv_weights.contiguous(),
         None, None, key, buffer_id=ctx.buffer_id, num_tokens=ctx.num_tokens)
-    return grad_x, grad_weights
+    return (None if ctx.fp8 else grad_x), grad_weights
 
 
 def _dispatch_backward(ctx, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weights, *_rest):
