@@ -8,7 +8,8 @@ num_max_tokens_per_rank (sync-free, reported by check_errors) on each rank, flag
 mixed, then a round trip bitwise against the reference; NaN payloads (dispatch keeps the bits,
 combine outputs the canonical quiet NaN); peers sleeping past a 0.5 s timeout (wall-clock on
 the GPU's %globaltimer: each error within 0.5 s + 5 s), then the broken buffer; a rank out of
-step. Prints one line per rank count: ok or the failure, and the seconds it took.
+step; then the last rank exits after a dispatch and the others' combine times out (no crash,
+no hang). Prints one line per rank count: ok or the failure, and the seconds it took.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 from epcomm.testing.launch import run_local_ranks  # noqa: E402
-from test_faults import symmetric_faults  # noqa: E402
+from test_faults import symmetric_faults, symmetric_peer_exits  # noqa: E402
 
 
 def main() -> int:
@@ -33,8 +34,11 @@ def main() -> int:
         start = time.monotonic()
         try:
             run_local_ranks(symmetric_faults, ranks, "cuda", timeout_s=120, deadline_s=400)
+            outcome = run_local_ranks(symmetric_peer_exits, ranks, "cuda", timeout_s=60,
+                                      deadline_s=120)
+            assert outcome == ["timeout"] * (ranks - 1) + ["left"], outcome
             result = "ok"
-        except RuntimeError as error:
+        except (RuntimeError, AssertionError) as error:
             result, failed = "FAILED", True
             print(error)
         print(f"{ranks:>5}  {result:<8} {time.monotonic() - start:.1f}")

@@ -7,7 +7,8 @@ The symmetric backend's kernels run under the Triton interpreter with tiny shape
 are wall-clock, so short `timeout_s` values bound each case. Every data result is compared
 bitwise with the independent reference. `symmetric_faults` also runs on the GPU machine
 (`scripts/gpu_faults.py`: several processes sharing a GPU), where sync-free calls report
-through `check_errors()` instead of raising at once.
+through `check_errors()` instead of raising at once; so does `symmetric_peer_exits` (a peer
+process that exits mid-protocol). The collective backend's peer exits: tests/test_collective.py.
 """
 import math
 import time
@@ -275,3 +276,29 @@ def test_symmetric_mismatch_nan_timeout_and_out_of_step():
     pytest.importorskip("triton")
     assert run_local_ranks(symmetric_faults, 2, "cpu", timeout_s=60,
                            deadline_s=180) == [True, True]
+
+
+def symmetric_peer_exits(device):
+    """The last rank makes a dispatch, then its process exits; every other rank's combine of
+    that dispatch (its peer never returns the rows) raises EPTimeoutError naming the combine
+    within the timeout and a margin, and the buffer is broken afterwards. (Peer memory cannot
+    tell a dead peer from a slow one: a timeout is the error.)"""
+    rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    buffer = _buffer("symmetric", device, timeout_s=TIMEOUT_S)
+    num_experts = 2 * num_ranks
+    x, idx, weights = _data(10, M, num_experts, device=device)
+    recv_x, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=num_experts)
+    if rank == num_ranks - 1:
+        return "left"  # the process group is destroyed, the process exits
+    text = _within(TIMEOUT_S + MARGIN_S, lambda: buffer.combine(recv_x, handle),
+                   errors.EPTimeoutError, "combine", buffer)
+    assert f"rank {rank}" in text, text
+    _within(1, lambda: buffer.dispatch(x, idx, weights, num_experts=num_experts),
+            errors.EPBrokenError, "combine")
+    return "timeout"
+
+
+def test_symmetric_peer_exits():
+    pytest.importorskip("triton")
+    assert run_local_ranks(symmetric_peer_exits, 2, "cpu", timeout_s=60,
+                           deadline_s=120) == ["timeout", "left"]
