@@ -66,7 +66,7 @@ def dispatch(buffer: Union[Buffer, ElasticBuffer],
     if handle is not None:
         handle = _handle_of(buffer, handle)
         recv_x, recv_scales, recv_weights = torch.ops.epcomm.cached_dispatch(
-            x, x_scales, topk_weights, handle.key, buffer_id=handle.buffer_id,
+            x, x_scales, topk_weights, handle.key, handle.storage, buffer_id=handle.buffer_id,
             num_rows=handle.num_rows, do_expand=handle.do_expand,
             do_zero_padding=do_zero_padding, owned_weights_only=False)
         return _recv(recv_x, recv_scales), None, recv_weights, handle
@@ -76,7 +76,7 @@ def dispatch(buffer: Union[Buffer, ElasticBuffer],
         raise TypeError(f"num_experts must be an int, got {type(num_experts).__name__}")
     if num_max_tokens_per_rank is None:
         num_max_tokens_per_rank = buffer.num_max_tokens_per_rank
-    recv_x, recv_scales, recv_topk_idx, recv_weights, key, psum_rank, psum_expert = \
+    recv_x, recv_scales, recv_topk_idx, recv_weights, key, psum_rank, psum_expert, *storage = \
         torch.ops.epcomm.dispatch(
             x, x_scales, topk_idx, topk_weights, buffer_id=buffer.buffer_id,
             num_experts=num_experts, num_max_tokens_per_rank=num_max_tokens_per_rank,
@@ -85,7 +85,8 @@ def dispatch(buffer: Union[Buffer, ElasticBuffer],
             do_zero_padding=do_zero_padding, num_sms=num_sms)
     handle = Handle(key=key, psum_num_recv_tokens_per_scaleup_rank=psum_rank,
                     psum_num_recv_tokens_per_expert=psum_expert, buffer_id=buffer.buffer_id,
-                    num_tokens=x.shape[0], num_rows=recv_x.shape[0], do_expand=do_expand)
+                    num_tokens=x.shape[0], num_rows=recv_x.shape[0], do_expand=do_expand,
+                    storage=tuple(storage))
     return _recv(recv_x, recv_scales), recv_topk_idx, recv_weights, handle
 
 
@@ -124,5 +125,5 @@ def combine(buffer: Union[Buffer, ElasticBuffer], x: torch.Tensor,
     if len(biases) > 2:
         raise ValueError(f"bias takes at most 2 tensors, got {len(biases)}")
     bias0, bias1 = biases + (None,) * (2 - len(biases))
-    return torch.ops.epcomm.combine(x, topk_weights, bias0, bias1, handle.key,
+    return torch.ops.epcomm.combine(x, topk_weights, bias0, bias1, handle.key, handle.storage,
                                     buffer_id=handle.buffer_id, num_tokens=handle.num_tokens)

@@ -87,6 +87,10 @@ class EPHandle:
     num_tokens: int = field(default=0, repr=False)
     hidden: int = field(default=0, repr=False)
     backend_state: Any = field(default=None, repr=False)
+    # The allocations (at most two) that hold the handle's device tensors, where a backend
+    # keeps them in its own (the symmetric backend): the compiled ops pass views of them
+    # through the graph, so that CUDA-graph trees count them among the graph's tensors.
+    storage: tuple = field(default=(), repr=False)
     num_sms: int = 0
     token_metadata_at_forward: Optional[torch.Tensor] = field(default=None, repr=False)
     channel_linked_list: Optional[torch.Tensor] = field(default=None, repr=False)

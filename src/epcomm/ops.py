@@ -8,14 +8,16 @@ model. The ops (namespace `epcomm`):
   `Buffer.dispatch` (x [T, H] bf16, or FP8 [T, H] with `x_scales` [T, S]; topk_idx [T, K];
   topk_weights [T, K] float32). Returns `recv_x` [N, H], `recv_x_scales` [N, S] (FP8) or None,
   `recv_topk_idx` [N, K] (compact) or None, `recv_topk_weights` ([N, K] compact, [N] expand) or
-  None, the handle's `key` (below), and copies of the handle's
-  `psum_num_recv_tokens_per_scaleup_rank` [R] and `psum_num_recv_tokens_per_expert` [E_l] int32.
-- `epcomm::cached_dispatch(x, x_scales?, topk_weights?, key, buffer_id, num_rows, do_expand,
-  do_zero_padding, owned_weights_only)`: `Buffer.dispatch(x, topk_weights=..., handle=...)`
+  None, the handle's `key` (below), copies of the handle's
+  `psum_num_recv_tokens_per_scaleup_rank` [R] and `psum_num_recv_tokens_per_expert` [E_l]
+  int32, and `storage0`, `storage1` (`storage_views`: int32 [1] stand-ins for the handle's
+  allocations, which the ops below take as `storage`).
+- `epcomm::cached_dispatch(x, x_scales?, topk_weights?, key, storage, buffer_id, num_rows,
+  do_expand, do_zero_padding, owned_weights_only)`: `Buffer.dispatch(x, topk_weights=..., handle=...)`
   through the handle `key` names (`num_rows`, `do_expand`: its output rows and layout).
   `owned_weights_only`: compact weights rows keep only the slots of this rank's experts (0
   elsewhere). Returns `recv_x`, `recv_x_scales`, `recv_topk_weights` as `dispatch`.
-- `epcomm::combine(x, topk_weights?, bias0?, bias1?, key, buffer_id, num_tokens)`:
+- `epcomm::combine(x, topk_weights?, bias0?, bias1?, key, storage, buffer_id, num_tokens)`:
   `Buffer.combine` through the handle `key` names (`num_tokens`: its T). Returns `combined_x`
   [T, H] bf16 and `combined_topk_weights` [T, K] float32 or None.
 
@@ -83,14 +85,17 @@ define(
     "int num_experts, int num_max_tokens_per_rank, int expert_alignment, bool do_cpu_sync, "
     "bool do_expand, bool do_zero_padding, int num_sms) -> (Tensor recv_x, Tensor? recv_x_scales, "
     "Tensor? recv_topk_idx, Tensor? recv_topk_weights, Tensor key, "
-    "Tensor psum_num_recv_tokens_per_scaleup_rank, Tensor psum_num_recv_tokens_per_expert)")
+    "Tensor psum_num_recv_tokens_per_scaleup_rank, Tensor psum_num_recv_tokens_per_expert, "
+    "Tensor storage0, Tensor storage1)")
 define(
-    "cached_dispatch(Tensor x, Tensor? x_scales, Tensor? topk_weights, Tensor key, int buffer_id, "
-    "SymInt num_rows, bool do_expand, bool do_zero_padding, bool owned_weights_only) "
+    "cached_dispatch(Tensor x, Tensor? x_scales, Tensor? topk_weights, Tensor key, "
+    "Tensor[] storage, int buffer_id, SymInt num_rows, bool do_expand, bool do_zero_padding, "
+    "bool owned_weights_only) "
     "-> (Tensor recv_x, Tensor? recv_x_scales, Tensor? recv_topk_weights)")
 define(
     "combine(Tensor x, Tensor? topk_weights, Tensor? bias0, Tensor? bias1, Tensor key, "
-    "int buffer_id, SymInt num_tokens) -> (Tensor combined_x, Tensor? combined_topk_weights)")
+    "Tensor[] storage, int buffer_id, SymInt num_tokens) "
+    "-> (Tensor combined_x, Tensor? combined_topk_weights)")
 
 
 # -- handle keys -------------------------------------------------------------------------------
@@ -132,6 +137,22 @@ def handle_of(key: torch.Tensor) -> EPHandle:
     return handle
 
 
+_STORAGE = 2  # storage views a dispatch op returns
+
+
+def storage_views(handle: EPHandle, device: torch.device) -> tuple:
+    """`_STORAGE` int32 [1] tensors standing for the allocations that hold `handle`'s device
+    tensors (`EPHandle.storage`): a one-element view of each, then new tensors. A dispatch op
+    returns them and the ops that use the handle take them, so that the graph holds those
+    allocations as long as the handle is used (CUDA-graph trees require every allocation that
+    stays alive in their pool to be among the graph's tensors)."""
+    views = [t.view(-1)[:1] for t in handle.storage if t.numel()]
+    if len(views) > _STORAGE:
+        raise AssertionError(f"a handle with {len(views)} allocations")
+    return (*views, *(torch.zeros(1, dtype=torch.int32, device=device)
+                      for _ in range(_STORAGE - len(views))))
+
+
 class Handle(NamedTuple):
     """A dispatch's handle as the compiler sees it (`epcomm.autograd.dispatch` returns one).
 
@@ -145,6 +166,8 @@ class Handle(NamedTuple):
     num_rows: rows of the dispatch output (and of the combine input): the capacity after a
         sync-free dispatch, else the exact count (a dynamic size under `torch.compile`).
     do_expand: the layout of the dispatch.
+    storage: the dispatch's `storage_views` (int32 [1] tensors standing for the handle's
+        allocations; passed to the ops that use the handle).
 
     Outside a compiled region, other attribute names read the `EPHandle` (for example
     `handle.num_recv_tokens_per_expert_list` after `do_cpu_sync=True`).
@@ -157,6 +180,7 @@ class Handle(NamedTuple):
     num_tokens: Union[int, torch.SymInt]
     num_rows: Union[int, torch.SymInt]
     do_expand: bool
+    storage: tuple = ()
 
     def resolve(self) -> EPHandle:
         """The `EPHandle` of this dispatch (host code only, not inside a compiled region)."""
@@ -179,7 +203,8 @@ class Handle(NamedTuple):
                    psum_num_recv_tokens_per_expert=handle.tensors[
                        "psum_num_recv_tokens_per_expert"],
                    buffer_id=handle.buffer_id, num_tokens=handle.num_tokens,
-                   num_rows=handle.num_output_rows, do_expand=handle.do_expand)
+                   num_rows=handle.num_output_rows, do_expand=handle.do_expand,
+                   storage=storage_views(handle, handle.tensors["topk_idx"].device))
 
 
 # -- implementations ---------------------------------------------------------------------------
@@ -202,10 +227,12 @@ def _dispatch(x, x_scales, topk_idx, topk_weights, buffer_id, num_experts,
         num_max_tokens_per_rank=num_max_tokens_per_rank, expert_alignment=expert_alignment,
         do_cpu_sync=do_cpu_sync, do_expand=do_expand, do_zero_padding=do_zero_padding,
         num_sms=num_sms)
-    # Copies: an op's outputs may not alias each other or live on inside the handle.
+    # Copies: an op's outputs may not alias each other or live on inside the handle (the
+    # storage views excepted: they stand for the handle's allocations, never read).
     return (*_split(recv_x), recv_topk_idx, recv_weights, key_of(handle),
             handle.tensors["psum_num_recv_tokens_per_scaleup_rank"].clone(),
-            handle.tensors["psum_num_recv_tokens_per_expert"].clone())
+            handle.tensors["psum_num_recv_tokens_per_expert"].clone(),
+            *storage_views(handle, buffer.device))
 
 
 def _check_traced_dispatch(buffer: Buffer, x, x_scales, topk_idx, topk_weights, num_experts,
@@ -252,11 +279,12 @@ def _dispatch_fake(x, x_scales, topk_idx, topk_weights, buffer_id, num_experts,
     return (recv_x, recv_scales, recv_topk_idx, recv_weights,
             torch.empty(1, dtype=torch.int64, device="cpu"),
             torch.empty(num_ranks, dtype=torch.int32, device=device),
-            torch.empty(num_local, dtype=torch.int32, device=device))
+            torch.empty(num_local, dtype=torch.int32, device=device),
+            *(torch.empty(1, dtype=torch.int32, device=device) for _ in range(_STORAGE)))
 
 
 @torch.library.impl(_LIB, "cached_dispatch", "CompositeExplicitAutograd")
-def _cached_dispatch(x, x_scales, topk_weights, key, buffer_id, num_rows, do_expand,
+def _cached_dispatch(x, x_scales, topk_weights, key, storage, buffer_id, num_rows, do_expand,
                      do_zero_padding, owned_weights_only):
     handle = handle_of(key)
     if num_rows != handle.num_output_rows:
@@ -273,8 +301,8 @@ def _cached_dispatch(x, x_scales, topk_weights, key, buffer_id, num_rows, do_exp
 
 
 @torch.library.register_fake("epcomm::cached_dispatch")
-def _cached_dispatch_fake(x, x_scales, topk_weights, key, buffer_id, num_rows, do_expand,
-                          do_zero_padding, owned_weights_only):
+def _cached_dispatch_fake(x, x_scales, topk_weights, key, storage, buffer_id, num_rows,
+                          do_expand, do_zero_padding, owned_weights_only):
     recv_scales = None if x_scales is None else x_scales.new_empty(num_rows, x_scales.shape[1])
     recv_weights = None if topk_weights is None else \
         topk_weights.new_empty((num_rows,) if do_expand else (num_rows, topk_weights.shape[1]))
@@ -282,7 +310,7 @@ def _cached_dispatch_fake(x, x_scales, topk_weights, key, buffer_id, num_rows, d
 
 
 @torch.library.impl(_LIB, "combine", "CompositeExplicitAutograd")
-def _combine(x, topk_weights, bias0, bias1, key, buffer_id, num_tokens):
+def _combine(x, topk_weights, bias0, bias1, key, storage, buffer_id, num_tokens):
     handle = handle_of(key)
     if num_tokens != handle.num_tokens:
         raise ValueError(f"num_tokens={num_tokens}: the handle has {handle.num_tokens} tokens")
@@ -293,7 +321,7 @@ def _combine(x, topk_weights, bias0, bias1, key, buffer_id, num_tokens):
 
 
 @torch.library.register_fake("epcomm::combine")
-def _combine_fake(x, topk_weights, bias0, bias1, key, buffer_id, num_tokens):
+def _combine_fake(x, topk_weights, bias0, bias1, key, storage, buffer_id, num_tokens):
     buffer = live_buffer(buffer_id)
     check_tensor("x", x, (torch.bfloat16,), 2, buffer.device)
     if x.shape[1] != buffer.hidden:
@@ -308,27 +336,27 @@ def _bf16(grad: torch.Tensor) -> torch.Tensor:
     return grad.to(torch.bfloat16).contiguous()
 
 
-def _save_dispatch(ctx, x, x_scales, key, buffer_id, recv_x) -> None:
-    ctx.save_for_backward(key)
+def _save_dispatch(ctx, x, x_scales, key, storage, buffer_id, recv_x) -> None:
+    ctx.save_for_backward(key, *storage)
     ctx.buffer_id, ctx.num_tokens, ctx.fp8 = buffer_id, x.shape[0], x_scales is not None
     ctx.recv_shape = recv_x.shape
 
 
 def _dispatch_setup(ctx, inputs, output) -> None:
     x, x_scales, _, _, buffer_id = inputs[:5]
-    _save_dispatch(ctx, x, x_scales, output[4], buffer_id, output[0])
+    _save_dispatch(ctx, x, x_scales, output[4], output[7:], buffer_id, output[0])
 
 
 def _cached_dispatch_setup(ctx, inputs, output) -> None:
-    x, x_scales, _, key, buffer_id = inputs[:5]
-    _save_dispatch(ctx, x, x_scales, key, buffer_id, output[0])
+    x, x_scales, _, key, storage, buffer_id = inputs[:6]
+    _save_dispatch(ctx, x, x_scales, key, storage, buffer_id, output[0])
 
 
 def _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, weights_index: int):
     """(grad x, grad topk_weights) of a dispatch: the combine of its output gradients (the
     gradients of outputs are materialized: zeros where an output was not used). FP8 rows
     have no gradient (None for x); the weights' still flows, through a combine of zero rows."""
-    key, = ctx.saved_tensors
+    key, *storage = ctx.saved_tensors
     if not ctx.needs_input_grad[weights_index]:
         grad_recv_weights = None
     if ctx.fp8:
@@ -337,7 +365,7 @@ def _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, weights_index: int):
         grad_recv_x = grad_recv_weights.new_zeros(ctx.recv_shape, dtype=torch.bfloat16)
     grad_x, grad_weights = torch.ops.epcomm.combine(
         _bf16(grad_recv_x), None if grad_recv_weights is None else grad_recv_weights.contiguous(),
-        None, None, key, buffer_id=ctx.buffer_id, num_tokens=ctx.num_tokens)
+        None, None, key, storage, buffer_id=ctx.buffer_id, num_tokens=ctx.num_tokens)
     return (None if ctx.fp8 else grad_x), grad_weights
 
 
@@ -348,12 +376,14 @@ def _dispatch_backward(ctx, grad_recv_x, _grad_scales, _grad_idx, grad_recv_weig
 
 def _cached_dispatch_backward(ctx, grad_recv_x, _grad_scales, grad_recv_weights):
     grad_x, grad_weights = _combine_of_grads(ctx, grad_recv_x, grad_recv_weights, 2)
-    return grad_x, None, grad_weights, *(None,) * 6
+    # (a list input gets a list of gradients)
+    return grad_x, None, grad_weights, None, [None] * (len(ctx.saved_tensors) - 1), \
+        *(None,) * 5
 
 
 def _combine_setup(ctx, inputs, output) -> None:
-    x, topk_weights, bias0, bias1, key, buffer_id, _ = inputs
-    ctx.save_for_backward(key)
+    x, topk_weights, bias0, bias1, key, storage, buffer_id, _ = inputs
+    ctx.save_for_backward(key, *storage)
     ctx.buffer_id, ctx.num_rows = buffer_id, x.shape[0]
     ctx.do_expand = topk_weights is not None and topk_weights.dim() == 1
     ctx.has_bias = (bias0 is not None, bias1 is not None)
@@ -361,16 +391,16 @@ def _combine_setup(ctx, inputs, output) -> None:
 
 def _combine_backward(ctx, grad_combined_x, grad_combined_weights):
     # Rows the combine did not read (alignment gaps, the sync-free tail) get a zero gradient.
-    key, = ctx.saved_tensors
+    key, *storage = ctx.saved_tensors
     if not ctx.needs_input_grad[1]:
         grad_combined_weights = None
     grad_x, _, grad_weights = torch.ops.epcomm.cached_dispatch(
         _bf16(grad_combined_x), None,
         None if grad_combined_weights is None else grad_combined_weights.contiguous(), key,
-        buffer_id=ctx.buffer_id, num_rows=ctx.num_rows, do_expand=ctx.do_expand,
+        storage, buffer_id=ctx.buffer_id, num_rows=ctx.num_rows, do_expand=ctx.do_expand,
         do_zero_padding=True, owned_weights_only=True)
     grad_bias = tuple(grad_combined_x if present else None for present in ctx.has_bias)
-    return grad_x, grad_weights, *grad_bias, None, None, None
+    return grad_x, grad_weights, *grad_bias, None, [None] * len(storage), None, None
 
 
 torch.library.register_autograd("epcomm::dispatch", _dispatch_backward,

@@ -276,7 +276,8 @@ class SymmetricBackend(Backend):
             self._raise_flags("dispatch", -1, counts.flags)  # (after the peers' records are freed)
         handle = EPHandle(block, None if counts is None else counts.per_expert,
                           **self._handle_fields(request), num_recv_tokens=num_rows,
-                          num_expanded_tokens=num_expanded, backend_state=block)
+                          num_expanded_tokens=num_expanded, backend_state=block,
+                          storage=block.storage())
         return DispatchResult(recv_rows, local_idx, recv_weights, handle,
                               flags_checked=counts is not None)
 

@@ -67,6 +67,11 @@ class TensorBlock(Mapping):
             return self.block + 4 * self.layout.parts[name][0]
         return self[name]
 
+    def storage(self) -> tuple:
+        """The allocations holding these tensors: the block, and the extra tensors but a
+        caller's `topk_idx` (which a handle made without a copy keeps)."""
+        return (self.block, *(t for name, t in self.extra.items() if name != "topk_idx"))
+
     def address_of(self, name: str) -> int:
         """The address of part `name` (no view made)."""
         if name in self.extra:

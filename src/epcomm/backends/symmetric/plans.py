@@ -168,7 +168,8 @@ class DispatchPlan:
              self.hist.tensor.data_ptr()]))
         tensors = TensorBlock(outputs[0], self.block_layout,
                               None if self.copy else {"topk_idx": topk_idx})
-        handle = EPHandle(tensors, None, **self.handle_fields, backend_state=tensors)
+        handle = EPHandle(tensors, None, **self.handle_fields, backend_state=tensors,
+                          storage=tensors.storage())
         return DispatchResult(outputs[1:self.rows_end],
                               None if self.idx_at is None else outputs[self.idx_at],
                               None if self.weights_at is None else outputs[self.weights_at],
@@ -249,5 +250,6 @@ class SyncDispatchPlan:
             extra["topk_idx"] = topk_idx
         tensors = TensorBlock(block, self.block_layout, extra)
         handle = EPHandle(tensors, counts.per_expert, **self.handle_fields, num_recv_tokens=num_rows,
-                          num_expanded_tokens=num_expanded, backend_state=tensors)
+                          num_expanded_tokens=num_expanded, backend_state=tensors,
+                          storage=tensors.storage())
         return DispatchResult(recv_rows, local_idx, recv_weights, handle, flags_checked=True)
