@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from epcomm.legacy import Buffer
+from epcomm.ops import key_of
 from epcomm.ops_low_latency import low_latency_combine, low_latency_dispatch
 from epcomm.testing.launch import run_seeded
 from epcomm.testing.verify import assert_equal
@@ -108,8 +109,7 @@ def run(seed: int, backend: str, device: str, compile_backend: str) -> int:
             assert_equal("combined_x after later calls", got[2].cpu(), kept[-1].cpu())
             checked += 1
     assert counter.frame_count == len(variants), counter.frame_count  # one graph per variant
-    with pytest.raises(ValueError, match="low-latency dispatch"):
-        from epcomm.ops import key_of
+    with pytest.raises(ValueError, match="low-latency dispatch"):  # another op's key
         low_latency_combine(buffer, torch.zeros(EXPERTS_PER_RANK, num_ranks * M, H,
                                                 dtype=torch.bfloat16, device=device),
                             topk_idx, weights, key_of(torch.zeros(1)))
