@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import checkpoint
 
 from epcomm import Buffer, ElasticBuffer
@@ -282,7 +283,8 @@ def run_inference(target: str, seed: int) -> int:
 
 def run_fp8_weights_gradient(target: str, seed: int) -> None:
     """A compiled FP8 dispatch in training: its rows get no gradient, its weights the same one
-    as through a bf16 dispatch of the same routing (eager)."""
+    as through a bf16 dispatch of the same routing (eager). Then the dispatch op's fake
+    outputs against a real call's."""
     device, backend, compiler = target.split(":")
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     buffer = Buffer(dist.group.WORLD, M, H, K, device=device, backend=backend)
@@ -308,6 +310,22 @@ def run_fp8_weights_gradient(target: str, seed: int) -> None:
         run(payload, idx.to(device), weights).backward()
         grads.append(weights.grad)
     assert_equal("FP8 dispatch's weights gradient", grads[1], grads[0])
+
+    # The fake implementation of a sync-free dispatch gives each output's shape, strides and
+    # dtype of a real call (the storage views too).
+    weights = torch.rand(M - rank, K, generator=gen).to(device)
+    for expand, fp8 in ((False, False), (True, True)):
+        payload = per_token_cast_to_fp8(x) if fp8 else (x, None)
+        inputs = [t if t is None else t.to(device) for t in (*payload, idx, weights)]
+        args = (buffer.buffer_id, num_experts, M, 4, False, expand, False, 0)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.epcomm.dispatch(
+                *[t if t is None else mode.from_tensor(t) for t in inputs], *args)
+        real = torch.ops.epcomm.dispatch(*inputs, *args)
+        for got, want in zip(fake, real):
+            if want is not None:
+                assert (got.shape, got.stride(), got.dtype, got.device) == \
+                    (want.shape, want.stride(), want.dtype, want.device), (got, want)
     buffer.destroy()
 
 

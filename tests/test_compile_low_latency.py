@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from epcomm.legacy import Buffer
 from epcomm.ops import key_of
@@ -109,6 +110,17 @@ def run(seed: int, backend: str, device: str, compile_backend: str) -> int:
             assert_equal("combined_x after later calls", got[2].cpu(), kept[-1].cpu())
             checked += 1
     assert counter.frame_count == len(variants), counter.frame_count  # one graph per variant
+    # The fake implementation gives each output's shape, strides and dtype of a real call.
+    for use_fp8, use_ue8m0 in ((False, False), (True, False), (True, True)):
+        args = (buffer.buffer_id, M, num_experts, use_fp8, use_ue8m0, use_ue8m0)
+        with FakeTensorMode() as mode:
+            fake = torch.ops.epcomm.low_latency_dispatch(mode.from_tensor(x),
+                                                         mode.from_tensor(topk_idx), *args)
+        real = torch.ops.epcomm.low_latency_dispatch(x, topk_idx, *args)
+        for got, want in zip(fake, real):
+            if want is not None:
+                assert (got.shape, got.stride(), got.dtype, got.device) == \
+                    (want.shape, want.stride(), want.dtype, want.device), (got, want)
     with pytest.raises(ValueError, match="low-latency dispatch"):  # another op's key
         low_latency_combine(buffer, torch.zeros(EXPERTS_PER_RANK, num_ranks * M, H,
                                                 dtype=torch.bfloat16, device=device),

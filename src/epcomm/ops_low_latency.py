@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from .legacy import Buffer, live_buffer
-from .low_latency import LowLatencyHandle
+from .low_latency import LowLatencyHandle, LowLatencyShape
 from .ops import _LIB, define, handle_of, key_of
 
 define(
@@ -66,22 +66,19 @@ def _dispatch(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_expe
     return recv_x, scales, recv_count, key_of(_Held(handle))
 
 
-def _scale_columns(hidden: int, use_ue8m0: bool) -> int:
-    scales = hidden // 128
-    return -(-scales // 4) if use_ue8m0 else scales
-
-
 @torch.library.register_fake("epcomm::low_latency_dispatch")
 def _dispatch_fake(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts,
                    use_fp8, round_scale, use_ue8m0):
     buffer = live_buffer(buffer_id)
-    num_ranks = buffer.group_size
-    num_local, rows = num_experts // num_ranks, num_ranks * num_max_dispatch_tokens_per_rank
+    shape = LowLatencyShape(num_ranks=buffer.group_size, rank=buffer.rank,
+                            max_tokens=num_max_dispatch_tokens_per_rank, hidden=x.shape[1],
+                            num_experts=num_experts, num_topk=topk_idx.shape[1],
+                            use_fp8=use_fp8, use_ue8m0=use_ue8m0)
+    num_local, rows, columns = shape.num_local, shape.rows, shape.scale_columns
     recv_x = x.new_empty((num_local, rows, x.shape[1]),
                          dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16)
     scales = None
     if use_fp8:  # column-major in the last two dims, as the eager call returns them
-        columns = _scale_columns(x.shape[1], use_ue8m0)
         scales = torch.empty_strided((num_local, rows, columns), (columns * rows, 1, rows),
                                      dtype=torch.int32 if use_ue8m0 else torch.float32,
                                      device=x.device)
