@@ -21,7 +21,7 @@ def run_soak(seed: int, backend: str, round_trips: int):
     return result.growth_mb()
 
 
-@pytest.mark.parametrize("backend, round_trips", [("collective", 80), ("symmetric", 4)])
+@pytest.mark.parametrize("backend, round_trips", [("collective", 160), ("symmetric", 8)])
 def test_soak_bitwise_and_flat_memory(backend: str, round_trips: int) -> None:
     if backend == "symmetric":
         pytest.importorskip("triton")
