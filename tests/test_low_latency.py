@@ -5,7 +5,8 @@
 One spawn per configuration runs every behaviour (spawning dominates the time): random routing
 with -1 ids, skew and an empty rank; bf16, FP8, power-of-two and UE8M0 dispatch; the slot
 order of the combine's sum; the hook path against the plain one, with two micro-batches in
-flight; `out=`; `zero_copy`; the stats tensors; a stale handle; bad arguments; on peer memory
+flight; `out=`; `zero_copy`; the stats tensors; a stale handle; bad arguments; ranks whose
+calls disagree (the collective transport on gloo raises on every rank); on peer memory
 a peer that never calls (a timeout error); the mask API with the last rank masked (and idle).
 CPU: the collective transport on 1 and 3 ranks, the symmetric one under the Triton interpreter
 on 2 (small shapes: the interpreter is slow). GPU (skipped without CUDA): 2, 4 and 8 processes
@@ -19,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from epcomm.errors import EPTimeoutError
+from epcomm.errors import EPMismatchError, EPTimeoutError
 from epcomm.legacy import Buffer, LowLatencyHandle
 from epcomm.testing.launch import capture_graph, run_seeded
 from epcomm.testing.reference_low_latency import (reference_low_latency_combine,
@@ -236,6 +237,21 @@ def _rank_main(seed, num_experts, backend, device):
     with pytest.raises(RuntimeError, match="reused"):
         buffer.low_latency_combine(expert_out, topk_idx, weights, got_a[2])
     _errors(buffer, x, topk_idx, num_experts)
+    if backend == "collective" and num_ranks > 1:
+        # Ranks whose calls disagree (messages of other sizes: gloo would abort) raise on every
+        # rank before anything is sent; the buffer goes on working.
+        with pytest.raises(EPMismatchError, match="use_fp8"):
+            buffer.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=rank == 0)
+        got = buffer.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=False)
+        with pytest.raises(EPMismatchError, match="use_logfmt"):
+            buffer.low_latency_combine(expert_out, topk_idx, weights, got[2],
+                                       use_logfmt=rank == 0)
+        got = buffer.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=False)
+        combined, _, _ = buffer.low_latency_combine(expert_out, topk_idx, weights, got[2])
+        ref = reference_low_latency_dispatch(x_ref, idx_ref, M, num_experts, group,
+                                             use_fp8=False)
+        assert_equal("combined after a mismatch", combined.cpu(),
+                     reference_low_latency_combine(out_ref, ref, w_ref, group))
     buffer.clean_low_latency_buffer(M, H, num_experts)
 
     if backend == "symmetric":  # a peer that does not call: a timeout error, not a hang

@@ -412,6 +412,26 @@ class CollectiveLowLatency(LowLatencyTransport):
         super().__init__(group)
         self._host_staged = dist.get_backend(group) == "gloo"
 
+    def _agree(self, stage: str, fields: dict, peers: tuple, tag: int) -> None:
+        """On a gloo group, before any message of the call moves: exchange `fields` (what the
+        sizes and format of the call's messages follow from) with every live peer, point to
+        point, and raise `EPMismatchError` naming the first field and peer that differ (every
+        rank raises, the ranks stay in step). Messages of other sizes would abort the process
+        inside gloo. (Over NCCL the host reads nothing: the ranks must agree.)"""
+        if not self._host_staged:
+            return
+        mine = torch.tensor(list(fields.values()), dtype=torch.int64)
+        theirs = [torch.empty_like(mine) for _ in range(self.num_ranks)]
+        self._wait(self._exchange([(mine,)] * self.num_ranks, [(t,) for t in theirs], peers,
+                                  tag), None)
+        for peer in peers:
+            if peer != self.rank and not torch.equal(theirs[peer], mine):
+                name, ours, other = next((name, a, b) for name, a, b in zip(
+                    fields, mine.tolist(), theirs[peer].tolist()) if a != b)
+                raise errors.EPMismatchError(
+                    f"rank {self.rank}: {stage}: rank {peer} called with {name}={other}, this "
+                    f"rank with {ours}; every rank must make the same low-latency calls")
+
     def _make_messages(self, shape: LowLatencyShape, device: torch.device) -> _Messages:
         R, E_l, M, H, cap = (shape.num_ranks, shape.num_local, shape.max_tokens, shape.hidden,
                              shape.capacity)
@@ -466,6 +486,8 @@ class CollectiveLowLatency(LowLatencyTransport):
 
     def _send_dispatch(self, shape, slot, index, x, topk_idx, *, masked, round_scale,
                        cumulative_stats, wait_stats):
+        self._agree("low_latency_dispatch", _message_fields(shape, 0, False), slot.peers,
+                    tag=4 + index)
         messages = slot.messages
         self._pack_dispatch(shape, slot, x, topk_idx, masked, round_scale)
         cap, R = shape.capacity, shape.num_ranks
@@ -568,6 +590,8 @@ class CollectiveLowLatency(LowLatencyTransport):
 
     def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
                       result, wait_stats, use_logfmt):
+        self._agree("low_latency_combine", _message_fields(shape, 1, use_logfmt), peers,
+                    tag=6 + index)
         R, cap, H = shape.num_ranks, shape.capacity, shape.hidden
         messages, sent = slot.messages, source.messages
         flat = sent.placed.clamp(max=shape.num_local * shape.rows - 1)
@@ -595,6 +619,16 @@ class CollectiveLowLatency(LowLatencyTransport):
                 if use_logfmt else messages.combine_recv
             reduce_slots(rows, slot_row, topk_weights, result)
         return receive
+
+
+def _message_fields(shape: LowLatencyShape, kind: int, use_logfmt: bool) -> dict:
+    """What the sizes and format of a call's messages follow from (`kind`: 0 dispatch, 1
+    combine)."""
+    return {"call (0 dispatch, 1 combine)": kind,
+            "num_max_dispatch_tokens_per_rank": shape.max_tokens, "hidden": shape.hidden,
+            "num_experts": shape.num_experts, "num_topk": shape.num_topk,
+            "use_fp8": int(shape.use_fp8), "use_ue8m0": int(shape.use_ue8m0),
+            "use_logfmt": int(use_logfmt)}
 
 
 def reduce_slots(rows: torch.Tensor, slot_row: torch.Tensor, topk_weights: torch.Tensor,
