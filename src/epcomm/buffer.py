@@ -28,17 +28,26 @@ DispatchInput = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
 
 _buffer_ids = itertools.count()
 # The live buffers by `buffer_id` (weak references: a buffer leaves on `destroy()` or when it is
-# collected), so that a custom op names its buffer by an int (`epcomm.ops`).
-_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
+# collected), so that a custom op names its buffer by an int (`epcomm.ops`,
+# `epcomm.ops_low_latency`): `Buffer`s and V1 `epcomm.legacy.Buffer`s, ids never reused.
+_live_buffers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
-def live_buffer(buffer_id: int) -> "Buffer":
-    """The live `Buffer` whose `buffer_id` is `buffer_id` (ValueError if it was destroyed or
-    collected)."""
+def register_buffer(buffer) -> int:
+    """A new `buffer_id` under which `live_buffer` finds `buffer` while it lives."""
+    buffer_id = next(_buffer_ids)
+    _live_buffers[buffer_id] = buffer
+    return buffer_id
+
+
+def live_buffer(buffer_id: int, kind: Optional[type] = None):
+    """The live buffer of class `kind` (default `Buffer`) whose `buffer_id` is `buffer_id`
+    (ValueError if there is none: destroyed, collected or of another class)."""
+    kind = Buffer if kind is None else kind
     buffer = _live_buffers.get(buffer_id)
-    if buffer is None:
-        raise ValueError(f"buffer_id {buffer_id}: no live Buffer has this id (destroyed or "
-                         "collected)")
+    if not isinstance(buffer, kind):
+        raise ValueError(f"buffer_id {buffer_id}: no live {kind.__module__}.{kind.__name__} has "
+                         "this id (destroyed or collected)")
     return buffer
 
 
@@ -184,8 +193,7 @@ class Buffer:
         self.allow_multiple_reduction = allow_multiple_reduction
         self.timeout_s = timeout_s
         self.avoid_record_stream = os.environ.get("EP_AVOID_RECORD_STREAM", "0") == "1"
-        self.buffer_id = next(_buffer_ids)
-        _live_buffers[self.buffer_id] = self
+        self.buffer_id = register_buffer(self)
         self.config = BufferConfig(self.device, self.rank, self.num_ranks,
                                     num_max_tokens_per_rank, hidden, num_topk, timeout_s, num_sms,
                                     self.buffer_id)

@@ -92,8 +92,6 @@ Differences and what is missing:
 from __future__ import annotations
 
 import contextlib
-import itertools
-import weakref
 from dataclasses import dataclass
 from typing import Any, List, Optional, Tuple, Union
 
@@ -101,7 +99,7 @@ import torch
 import torch.distributed as dist
 
 from .backends.symmetric.heap import heap_reachable
-from .buffer import Buffer as _EPBuffer
+from .buffer import Buffer as _EPBuffer, register_buffer
 from .checks import check_tensor
 from .elastic import topk_idx_t
 from .events import EventHandle, EventOverlap
@@ -386,20 +384,6 @@ def _check_hook_options(async_finish, return_recv_hook) -> None:
                          "hook receives on the current stream)")
 
 
-# The V1 buffers by `buffer_id`, for `epcomm.ops_low_latency` (weak: a buffer leaves when it
-# is collected).
-_buffer_ids = itertools.count()
-_live_buffers: "weakref.WeakValueDictionary[int, Buffer]" = weakref.WeakValueDictionary()
-
-
-def live_buffer(buffer_id: int) -> "Buffer":
-    """The live V1 `Buffer` whose `buffer_id` is `buffer_id` (ValueError if it is gone)."""
-    buffer = _live_buffers.get(buffer_id)
-    if buffer is None:
-        raise ValueError(f"buffer_id {buffer_id}: no live epcomm.legacy.Buffer has this id")
-    return buffer
-
-
 def _finish_event(device: torch.device, async_finish: bool) -> EventOverlap:
     """A low-latency call's event: with `async_finish` on CUDA, one recorded on the current
     stream (where the call's work runs); else empty."""
@@ -611,8 +595,7 @@ class Buffer:
         self._low_latency: dict[str, LowLatencyTransport] = {}  # device -> transport
         self._low_latency_timeout_s = low_latency_timeout_s
         self._masked: set[int] = set()             # ranks masked by the mask API
-        self.buffer_id = next(_buffer_ids)  # epcomm only: names it to the compiled ops
-        _live_buffers[self.buffer_id] = self
+        self.buffer_id = register_buffer(self)  # epcomm only: names it to the compiled ops
 
     # -- static and information ----------------------------------------------------------
     @staticmethod

@@ -13,8 +13,8 @@ model. The ops (namespace `epcomm`):
   int32, and `storage0`, `storage1` (`storage_views`: int32 [1] stand-ins for the handle's
   allocations, which the ops below take as `storage`).
 - `epcomm::cached_dispatch(x, x_scales?, topk_weights?, key, storage, buffer_id, num_rows,
-  do_expand, do_zero_padding, owned_weights_only)`: `Buffer.dispatch(x, topk_weights=..., handle=...)`
-  through the handle `key` names (`num_rows`, `do_expand`: its output rows and layout).
+  do_expand, do_zero_padding, owned_weights_only)`: `Buffer.dispatch(x, topk_weights=...,
+  handle=...)` through the handle `key` names (`num_rows`, `do_expand`: its output rows and layout).
   `owned_weights_only`: compact weights rows keep only the slots of this rank's experts (0
   elsewhere). Returns `recv_x`, `recv_x_scales`, `recv_topk_weights` as `dispatch`.
 - `epcomm::combine(x, topk_weights?, bias0?, bias1?, key, storage, buffer_id, num_tokens)`:

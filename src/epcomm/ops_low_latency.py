@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from .legacy import Buffer, live_buffer
+from .buffer import live_buffer
+from .legacy import Buffer
 from .low_latency import LowLatencyHandle, LowLatencyShape
 from .ops import _LIB, define, handle_of, key_of
 
@@ -54,7 +55,7 @@ class _Held:
 @torch.library.impl(_LIB, "low_latency_dispatch", "CompositeExplicitAutograd")
 def _dispatch(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
               round_scale, use_ue8m0):
-    buffer = live_buffer(buffer_id)
+    buffer = live_buffer(buffer_id, Buffer)
     transport, shape = buffer._low_latency_call(x, topk_idx, num_max_dispatch_tokens_per_rank,
                                                 num_experts, None, None, use_fp8, round_scale,
                                                 use_ue8m0)
@@ -69,7 +70,7 @@ def _dispatch(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_expe
 @torch.library.register_fake("epcomm::low_latency_dispatch")
 def _dispatch_fake(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts,
                    use_fp8, round_scale, use_ue8m0):
-    buffer = live_buffer(buffer_id)
+    buffer = live_buffer(buffer_id, Buffer)
     shape = LowLatencyShape(num_ranks=buffer.group_size, rank=buffer.rank,
                             max_tokens=num_max_dispatch_tokens_per_rank, hidden=x.shape[1],
                             num_experts=num_experts, num_topk=topk_idx.shape[1],
@@ -98,8 +99,9 @@ def resolve(key: torch.Tensor) -> LowLatencyHandle:
 def _combine(x, topk_idx, topk_weights, key, buffer_id, use_logfmt):
     handle = resolve(key)
     out = torch.empty((topk_idx.shape[0], handle[3]), dtype=torch.bfloat16, device=x.device)
-    return live_buffer(buffer_id).low_latency_combine(x, topk_idx, topk_weights, handle,
-                                                      use_logfmt=use_logfmt, out=out)[0]
+    buffer = live_buffer(buffer_id, Buffer)
+    return buffer.low_latency_combine(x, topk_idx, topk_weights, handle, use_logfmt=use_logfmt,
+                                      out=out)[0]
 
 
 @torch.library.register_fake("epcomm::low_latency_combine")

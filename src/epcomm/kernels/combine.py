@@ -17,9 +17,10 @@ Send part (P programs, compact rows split into P chunks):
 
 Reduce part (the same P programs, tokens split into P chunks): wait for every ready counter and
 check the stamps (a peer out of step or whose call had weights where this one has none, or the
-reverse, or one that never arrived, is flagged, and its rows are left out), then `combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot
-of each rank, in slot order)` in fp32 (docs/semantics.md), the weights of each slot from its
-rank's record (a NaN weight as the canonical quiet NaN); add 1 to every peer's free counter.
+reverse, or one that never arrived, is flagged, and its rows are left out), then
+`combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot of each rank, in slot
+order)` in fp32 (docs/semantics.md), the weights of each slot from its rank's record (a NaN
+weight as the canonical quiet NaN); add 1 to every peer's free counter.
 """
 from __future__ import annotations
 
@@ -135,10 +136,10 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 
 @triton.jit
 def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                 record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
-                 out_ptr, w_out, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
-                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+                 record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
+                 num_biases, out_ptr, w_out, has_w, hidden, error_ptr, timeout, signature,
+                 K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+                 ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """The reduce part (module docstring) of call number `call`: the one this program's send
     part computed. (Reading the call counter here instead would race with programs of this
     launch that have not added to it yet.)"""
@@ -219,9 +220,9 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
                         expand, weights_ptr, has_w, hidden, error_ptr, timeout, signature, K,
                         BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
     _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                 record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
-                 out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature, K, BLOCK_K,
-                 BLOCK_R, ROWS, VEC, BLOCK_H)
+                 record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
+                 num_biases, out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature,
+                 K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
 
 
 

@@ -113,7 +113,7 @@ def _all_to_all_rows(send: Tensor, rows: Optional[Tensor], send_counts: Sequence
     return _from_bytes(recv_bytes, send.dtype, send.shape[1:])
 
 
-def _quiet_nan(t: Tensor) -> Tensor:
+def quiet_nan(t: Tensor) -> Tensor:
     """`t` (bf16 or fp32) with every NaN as its dtype's canonical quiet NaN, by bits: bf16
     0x7FC0, fp32 0x7FC00000 (docs/semantics.md, NaN; torch's own conversions give other
     NaNs on some paths)."""
@@ -359,7 +359,7 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
             is_last = (slot_rank[:, j] == r) & ~(later == r).any(dim=1)
             tokens = torch.nonzero(is_last).flatten()
             acc[tokens] = acc[tokens] + y_back[row_on[r][tokens]].float()
-    combined_x = _quiet_nan(acc.to(torch.bfloat16))
+    combined_x = quiet_nan(acc.to(torch.bfloat16))
 
     combined_w = None
     if w_from is not None:
@@ -368,4 +368,4 @@ def reference_combine(x: Tensor, dispatched: ReferenceDispatch, topk_idx: Tensor
             for r in range(num_ranks):
                 tokens = torch.nonzero(slot_rank[:, j] == r).flatten()
                 combined_w[tokens, j] = w_from[row_on[r][tokens], j]
-    return combined_x, None if combined_w is None else _quiet_nan(combined_w)
+    return combined_x, None if combined_w is None else quiet_nan(combined_w)

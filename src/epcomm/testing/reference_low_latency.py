@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .reference import _quiet_nan
+from .reference import quiet_nan
 
 __all__ = ["ReferenceLowLatency", "reference_fp8_cast", "reference_logfmt",
            "reference_low_latency_dispatch", "reference_low_latency_combine"]
@@ -162,7 +162,7 @@ def reference_logfmt(row: Tensor) -> Tensor:
         step = max(1, -(-(top - lo) // 508))
         for v in group:
             m, sign = v & 0x7FFF, v >> 15
-            if m == 0x7F80 or m > 0x7F80:
+            if m >= 0x7F80:  # +-Inf keep their bits, a NaN becomes 0x7FC0
                 decoded = m if m == 0x7F80 else 0x7FC0
             else:
                 below = (top - m + step // 2) // step
@@ -204,4 +204,4 @@ def reference_low_latency_combine(expert_out: Tensor, dispatched: ReferenceLowLa
             row = reference_logfmt(row) if use_logfmt else row
             acc = acc + topk_weights[t, k] * row.float()
         combined[t] = acc.to(torch.bfloat16)
-    return _quiet_nan(combined)
+    return quiet_nan(combined)
