@@ -588,14 +588,19 @@ def _titan_moe(ops, x, topk_idx, scores, num_experts: int, num_tokens_per_rank: 
         _titan_sync_combine()
         return out
 
+    def experts(rows, row_scores):
+        """The experts and the score product, on `expert_weight`'s device in both pipelines
+        (their reductions, forward and backward, then round alike)."""
+        on = expert_weight.device
+        hidden = (rows.to(on).float() @ expert_weight).to(torch.bfloat16)
+        return (hidden * row_scores.to(on).to(hidden.dtype)).to(rows.device)
+
     if cudagraphable:  # expand layout: already grouped by expert; score per received row
-        hidden = (recv_x.float() @ expert_weight).to(torch.bfloat16)
-        per_row_score = recv_scores.reshape(hidden.shape[0], -1).sum(dim=-1, keepdim=True)
-        return combine(hidden * per_row_score.to(hidden.dtype)), \
+        per_row_score = recv_scores.reshape(recv_x.shape[0], -1).sum(dim=-1, keepdim=True)
+        return combine(experts(recv_x, per_row_score)), \
             None if reference else num_recv_per_expert
     routed, permuted_scores, permuted_indices = _permute(recv_x, recv_topk_idx, recv_scores)
-    hidden = (routed.float() @ expert_weight).to(torch.bfloat16)
-    hidden = hidden * permuted_scores.to(hidden.dtype).reshape(-1, 1)
+    hidden = experts(routed, permuted_scores.reshape(-1, 1))
     return combine(_unpermute(hidden, permuted_indices, recv_x.shape[0])), \
         None if reference else num_recv_per_expert
 
@@ -619,7 +624,12 @@ def run_torchtitan(device: str, seed: int) -> int:
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     scores, topk_idx = torch.topk(logits.softmax(-1), num_topk, dim=-1)
     scores[0, 1] = 0.0  # a zero score: torchtitan masks its slot to -1
-    expert_weight = torch.randn(hidden, hidden, generator=gen) / 8
+    # The expert: a signed permutation over 8 (its fp32 matmul is exact in any order), run on
+    # the device in both pipelines.
+    expert_weight = torch.zeros(hidden, hidden)
+    signs = torch.randint(0, 2, (hidden,), generator=gen).float() * 2 - 1
+    expert_weight[torch.randperm(hidden, generator=gen), torch.arange(hidden)] = signs / 8
+    expert_weight = expert_weight.to(device)
     grad_out = torch.randn(num_tokens, hidden, generator=gen)
     results = []
     for reference in (False, True):
@@ -627,12 +637,12 @@ def run_torchtitan(device: str, seed: int) -> int:
         xs = on(x).clone().requires_grad_()
         ss = on(scores).clone().requires_grad_()
         out, counts = _titan_moe(ops, xs, on(topk_idx), ss, num_experts, num_tokens_per_rank,
-                                 on(expert_weight), cudagraphable=True, reference=reference)
+                                 expert_weight, cudagraphable=True, reference=reference)
         (out.float() * on(grad_out)).sum().backward()
         with torch.no_grad():
             inference, inference_counts = _titan_moe(
                 ops, on(x), on(topk_idx), on(scores), num_experts, num_tokens_per_rank,
-                on(expert_weight), cudagraphable=True, reference=reference)
+                expert_weight, cudagraphable=True, reference=reference)
         results.append((out.detach(), xs.grad, ss.grad, inference, counts, inference_counts))
     (out, gx, gs, inf, counts, inf_counts), (want, want_gx, want_gs, want_inf, _, _) = results
     assert_equal("torchtitan forward", out, want, check_dtype=True)

@@ -182,11 +182,29 @@ def test_bad_arguments_mismatched_configurations_and_a_fault_breaks_the_buffer()
 
 
 # --------------------------------------------------------------------- symmetric backend
+def _warm_up(device):
+    """On the GPU, one synchronizing and one sync-free round trip on a buffer with a long
+    timeout first, so that no rank is still compiling kernels when a peer's 0.5 s wait starts
+    (several processes share the GPU and compile on their first calls)."""
+    if device == "cpu":
+        return
+    buffer = _buffer("symmetric", device, timeout_s=120)
+    _round_trip(buffer, 11, 4)
+    x, idx, weights = _data(12, M, 4, device=device)
+    recv_x, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=4,
+                                              num_max_tokens_per_rank=M, do_cpu_sync=False)
+    buffer.combine(recv_x, handle)
+    buffer.check_errors()
+    buffer.destroy()
+    dist.barrier()
+
+
 def symmetric_faults(device):
     """The symmetric backend's faults on `device` ("cpu": the interpreter; "cuda"), any number
     of ranks: rank 0 is the early one, the others the late ones."""
     rank = dist.get_rank()
     late = rank > 0
+    _warm_up(device)
     buffer = _buffer("symmetric", device, timeout_s=TIMEOUT_S)
     # Different num_experts at dispatch: flagged on every rank (a call that reads the host
     # raises at once), not mixed; every rank completed the call, so the buffer stays usable.
@@ -284,6 +302,7 @@ def symmetric_peer_exits(device):
     within the timeout and a margin, and the buffer is broken afterwards. (Peer memory cannot
     tell a dead peer from a slow one: a timeout is the error.)"""
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
+    _warm_up(device)
     buffer = _buffer("symmetric", device, timeout_s=TIMEOUT_S)
     num_experts = 2 * num_ranks
     x, idx, weights = _data(10, M, num_experts, device=device)
