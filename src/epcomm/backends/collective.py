@@ -201,6 +201,18 @@ class _Workspace:
                 return
         torch.index_select(source, 0, rows, out=target)
 
+    def place_rows(self, source: torch.Tensor, rows: torch.Tensor, target: torch.Tensor) -> None:
+        """`target[rows[i]] = source[i]` (a row named twice gets one of its sources); the rows
+        of `target` that `rows` does not name are left with unspecified content. On CPU a
+        gather through the inverse map: `index_copy_` there costs about 5x `index_select`
+        per row (512 rows of 14 KB, one thread: 1.23 ms against 0.22 ms)."""
+        if self.device.type != "cpu":
+            target.index_copy_(0, rows, source)
+        elif source.shape[0] > 0:
+            inverse = torch.zeros(target.shape[0], dtype=torch.int64).index_put_(
+                (rows,), torch.arange(rows.shape[0]))
+            torch.index_select(source, 0, inverse, out=target)
+
     def gather_sum(self, words: torch.Tensor, index: torch.Tensor,
                    biases: Sequence[torch.Tensor], out: torch.Tensor,
                    target_rows: Optional[torch.Tensor] = None,
@@ -210,7 +222,8 @@ class _Workspace:
         + ...` in fp32, in that order, where `row(i)` is row i of the bf16 rows `words`
         ([rows, 2H] bytes as integer words); entries of `index` ([N, W] int64) below 0 are
         skipped. With `canonical_nan`, a NaN result is the canonical bf16 NaN 0x7FC0 (not
-        needed for a sum that is summed again). `out`: bf16 [*, H], may be a strided view.
+        needed for a sum that is summed again). `out`: bf16 [*, H], may be a strided view;
+        with target_rows, its rows not named there get unspecified content (`place_rows`).
 
         A skipped entry adds nothing, as adding +0.0 would: `acc` starts at +0.0 and so is
         never -0.0. On the device every entry costs a pass of fixed shape: a skipped one reads
@@ -253,7 +266,7 @@ class _Workspace:
         if target_rows is None:
             out.copy_(result)
         else:
-            out.index_copy_(0, target_rows, result)
+            self.place_rows(result, target_rows, out)
 
 
 @dataclass
@@ -621,7 +634,7 @@ class CollectiveBackend(Backend):
                 weights = torch.where(slot_rows >= 0, weights[slot_rows.clamp(min=0)], 0.0)
         else:
             column, source = _as_words((send_buf, 0, 2 * H), (x, 0, 2 * H))
-            column.index_copy_(0, state.recv_row, source)
+            self._workspace.place_rows(source, state.recv_row, column)
         if weights is not None:
             column = send_buf.view(torch.int32)[:, record.meta // 4:record.meta_end // 4]
             column.index_copy_(0, state.recv_row, weights.float().view(torch.int32))
