@@ -515,12 +515,22 @@ def _permute(hidden_states, dispatched_indices, dispatched_scores):
 
 
 def _unpermute(permuted_hidden_states, permuted_indices, num_tokens: int):
-    hidden_dim = permuted_hidden_states.shape[1]
-    out = torch.zeros((num_tokens, hidden_dim), dtype=permuted_hidden_states.dtype,
-                      device=permuted_hidden_states.device)
-    out.scatter_add_(0, permuted_indices.unsqueeze(1).expand(-1, hidden_dim),
-                     permuted_hidden_states)
-    return out
+    """torchtitan's unpermute (a scatter-add of each token's expert rows), in a fixed order so
+    that the device and the host agree bitwise (a bf16 `scatter_add_` on CUDA adds in the
+    order its atomics land): each token's rows in their permuted order, in fp32, one pass per
+    occurrence (no row is added to twice in a pass), then one bf16 rounding."""
+    device = permuted_indices.device
+    order = torch.argsort(permuted_indices, stable=True)
+    grouped = permuted_indices[order]
+    occurrence = torch.empty_like(order)
+    occurrence[order] = torch.arange(len(order), device=device) - \
+        torch.searchsorted(grouped, grouped)
+    out = torch.zeros((num_tokens, permuted_hidden_states.shape[1]), dtype=torch.float32,
+                      device=device)
+    for j in range(int(occurrence.max()) + 1 if len(order) else 0):
+        rows = (occurrence == j).nonzero().squeeze(1)
+        out = out.index_add(0, permuted_indices[rows], permuted_hidden_states[rows].float())
+    return out.to(permuted_hidden_states.dtype)
 
 
 class _RefDispatch(torch.autograd.Function):
