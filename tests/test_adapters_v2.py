@@ -515,22 +515,12 @@ def _permute(hidden_states, dispatched_indices, dispatched_scores):
 
 
 def _unpermute(permuted_hidden_states, permuted_indices, num_tokens: int):
-    """torchtitan's unpermute (a scatter-add of each token's expert rows), in a fixed order so
-    that the device and the host agree bitwise (a bf16 `scatter_add_` on CUDA adds in the
-    order its atomics land): each token's rows in their permuted order, in fp32, one pass per
-    occurrence (no row is added to twice in a pass), then one bf16 rounding."""
-    device = permuted_indices.device
-    order = torch.argsort(permuted_indices, stable=True)
-    grouped = permuted_indices[order]
-    occurrence = torch.empty_like(order)
-    occurrence[order] = torch.arange(len(order), device=device) - \
-        torch.searchsorted(grouped, grouped)
-    out = torch.zeros((num_tokens, permuted_hidden_states.shape[1]), dtype=torch.float32,
-                      device=device)
-    for j in range(int(occurrence.max()) + 1 if len(order) else 0):
-        rows = (occurrence == j).nonzero().squeeze(1)
-        out = out.index_add(0, permuted_indices[rows], permuted_hidden_states[rows].float())
-    return out.to(permuted_hidden_states.dtype)
+    hidden_dim = permuted_hidden_states.shape[1]
+    out = torch.zeros((num_tokens, hidden_dim), dtype=permuted_hidden_states.dtype,
+                      device=permuted_hidden_states.device)
+    out.scatter_add_(0, permuted_indices.unsqueeze(1).expand(-1, hidden_dim),
+                     permuted_hidden_states)
+    return out
 
 
 class _RefDispatch(torch.autograd.Function):
@@ -598,21 +588,24 @@ def _titan_moe(ops, x, topk_idx, scores, num_experts: int, num_tokens_per_rank: 
         _titan_sync_combine()
         return out
 
+    # The grouped experts (permute, matmul, score, unpermute) run on the host in both
+    # pipelines, so that only the communication differs: on CUDA the backward of a gather (and
+    # a scatter_add_) adds in the order its atomics land.
+    device = recv_x.device
+    recv_x, recv_topk_idx, recv_scores = recv_x.cpu(), recv_topk_idx.cpu(), recv_scores.cpu()
+
     def experts(rows, row_scores):
-        """The experts and the score product, on `expert_weight`'s device in both pipelines
-        (their reductions, forward and backward, then round alike)."""
-        on = expert_weight.device
-        hidden = (rows.to(on).float() @ expert_weight).to(torch.bfloat16)
-        return (hidden * row_scores.to(on).to(hidden.dtype)).to(rows.device)
+        hidden = (rows.float() @ expert_weight).to(torch.bfloat16)
+        return hidden * row_scores.to(hidden.dtype)
 
     if cudagraphable:  # expand layout: already grouped by expert; score per received row
         per_row_score = recv_scores.reshape(recv_x.shape[0], -1).sum(dim=-1, keepdim=True)
-        return combine(experts(recv_x, per_row_score)), \
-            None if reference else num_recv_per_expert
-    routed, permuted_scores, permuted_indices = _permute(recv_x, recv_topk_idx, recv_scores)
-    hidden = experts(routed, permuted_scores.reshape(-1, 1))
-    return combine(_unpermute(hidden, permuted_indices, recv_x.shape[0])), \
-        None if reference else num_recv_per_expert
+        hidden = experts(recv_x, per_row_score)
+    else:
+        routed, permuted_scores, permuted_indices = _permute(recv_x, recv_topk_idx, recv_scores)
+        hidden = _unpermute(experts(routed, permuted_scores.reshape(-1, 1)), permuted_indices,
+                            recv_x.shape[0])
+    return combine(hidden.to(device)), None if reference else num_recv_per_expert
 
 
 def run_torchtitan(device: str, seed: int) -> int:
@@ -634,12 +627,10 @@ def run_torchtitan(device: str, seed: int) -> int:
     logits = torch.randn(num_tokens, num_experts, generator=gen)
     scores, topk_idx = torch.topk(logits.softmax(-1), num_topk, dim=-1)
     scores[0, 1] = 0.0  # a zero score: torchtitan masks its slot to -1
-    # The expert: a signed permutation over 8 (its fp32 matmul is exact in any order), run on
-    # the device in both pipelines.
+    # The expert: a signed permutation over 8 (its fp32 matmul is exact in any order).
     expert_weight = torch.zeros(hidden, hidden)
     signs = torch.randint(0, 2, (hidden,), generator=gen).float() * 2 - 1
     expert_weight[torch.randperm(hidden, generator=gen), torch.arange(hidden)] = signs / 8
-    expert_weight = expert_weight.to(device)
     grad_out = torch.randn(num_tokens, hidden, generator=gen)
     results = []
     for reference in (False, True):

@@ -254,6 +254,7 @@ def symmetric_faults(device):
     buffer.destroy()
     _warm_up(device)
     buffer = _buffer("symmetric", device, timeout_s=TIMEOUT_S)
+    dist.barrier()  # (a new buffer returns on each rank once it has mapped its peers)
 
     # Peers that sleep past the timeout, then arrive: rank 0 times out (wall-clock: the error
     # names the rank, the stage and the timeout) and its buffer is broken; the late ranks get
@@ -310,6 +311,7 @@ def symmetric_peer_exits(device):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     _warm_up(device)
     buffer = _buffer("symmetric", device, timeout_s=TIMEOUT_S)
+    dist.barrier()
     num_experts = 2 * num_ranks
     x, idx, weights = _data(10, M, num_experts, device=device)
     recv_x, _, _, handle, _ = buffer.dispatch(x, idx, weights, num_experts=num_experts)
