@@ -373,6 +373,9 @@ def run_cuda_graph(seed: int) -> int:
         return layer.block(x)[-1]
 
     torch._dynamo.utils.counters.clear()
+    # (a failing pool check then names where each stray allocation was made)
+    import torch._inductor.config as inductor_config
+    inductor_config.triton.cudagraph_trees_history_recording = True
     step = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
     data = torch.Generator().manual_seed(seed + 1 + rank)
     steps = 5

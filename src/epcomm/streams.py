@@ -151,23 +151,27 @@ class StreamPolicy:
         event.record(comm)
         outputs = alloc.allocated
         # Without `async_with_compute_stream` the current stream waits for the comm stream
-        # below, so blocks of its pool (every output allocated there) are reused only after the
-        # comm stream is done with them, and blocks of the comm stream's pool in the comm
-        # stream's own order: then only inputs (they may come from any stream's pool) and
-        # outputs of the comm stream's pool, read on the current stream, need protecting.
+        # below, so the call is ordered like any op queued on the current stream: blocks of its
+        # pool (inputs and outputs allocated there) are reused only by later current-stream
+        # work, which runs after the comm stream is done with them; a block of another
+        # stream's pool is the caller's to guard, as for any op (`record_stream` for the
+        # current stream, the standard rule). Only the comm stream's own outputs, read on the
+        # current stream, need protecting then; with `async_with_compute_stream` everything.
+        guard_inputs = async_with_compute_stream
         guard_outputs = async_with_compute_stream or allocate_on_comm_stream
         held = None
         if self.avoid_record_stream:
             # (With allocate_on_comm_stream and no async, nothing marks the current stream as
             # a reader of the outputs: README, EP_AVOID_RECORD_STREAM.)
-            held = used + outputs if async_with_compute_stream else used
+            held = used + outputs if guard_inputs else None
             # A captured event cannot be queried later; inside a graph the graph's private
             # pool keeps the memory, and the event still carries the references.
-            if not capturing:
+            if held is not None and not capturing:
                 self._pending.append((event, held))
         else:
-            for tensor in used:
-                tensor.record_stream(comm)
+            if guard_inputs:
+                for tensor in used:
+                    tensor.record_stream(comm)
             if guard_outputs:
                 for tensor in outputs:
                     tensor.record_stream(compute if allocate_on_comm_stream else comm)
