@@ -83,13 +83,6 @@ def dispatch(buffer: Union[Buffer, ElasticBuffer],
             expert_alignment=1 if expert_alignment is None else expert_alignment,
             do_cpu_sync=do_cpu_sync is not False, do_expand=do_expand,
             do_zero_padding=do_zero_padding, num_sms=num_sms)
-    if torch.compiler.is_compiling():
-        # The key is a CPU tensor: Inductor computes it outside the CUDA graph of the dispatch,
-        # which then hands the op's whole result on as one object that CUDA-graph trees do not
-        # track. Every device output goes to the ops that use the handle as well, so that each
-        # is a tracked tensor of the graph (an untracked live allocation fails the graph).
-        storage += [t for t in (psum_rank, psum_expert, recv_x, recv_scales, recv_topk_idx,
-                                recv_weights) if t is not None]
     handle = Handle(key=key, psum_num_recv_tokens_per_scaleup_rank=psum_rank,
                     psum_num_recv_tokens_per_expert=psum_expert, buffer_id=buffer.buffer_id,
                     num_tokens=x.shape[0], num_rows=recv_x.shape[0], do_expand=do_expand,

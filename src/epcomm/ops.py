@@ -167,9 +167,7 @@ class Handle(NamedTuple):
         sync-free dispatch, else the exact count (a dynamic size under `torch.compile`).
     do_expand: the layout of the dispatch.
     storage: the dispatch's `storage_views` (int32 [1] tensors standing for the handle's
-        allocations; passed to the ops that use the handle). Under `torch.compile` also the
-        dispatch op's device outputs (`epcomm.autograd.dispatch`), which therefore stay
-        allocated until the last op that uses the handle.
+        allocations; passed to the ops that use the handle).
 
     Outside a compiled region, other attribute names read the `EPHandle` (for example
     `handle.num_recv_tokens_per_expert_list` after `do_cpu_sync=True`).
