@@ -118,7 +118,6 @@ class StreamPolicy:
         entry_event = None if previous_event is None else previous_event.event
         switch = not (direct and same_device)
         comm = comm_stream(self.device)
-        used = [t for t in inputs if t is not None]
         if self._direct_stream is not None:
             # Calls through one buffer never overlap: this one waits for the direct ones,
             # whichever stream is current now (for what their stream queued up to now: no
@@ -157,21 +156,22 @@ class StreamPolicy:
         # stream's pool is the caller's to guard, as for any op (`record_stream` for the
         # current stream, the standard rule). Only the comm stream's own outputs, read on the
         # current stream, need protecting then; with `async_with_compute_stream` everything.
-        guard_inputs = async_with_compute_stream
         guard_outputs = async_with_compute_stream or allocate_on_comm_stream
+        guarded_inputs = [t for t in inputs if t is not None] if async_with_compute_stream \
+            else []
         held = None
         if self.avoid_record_stream:
             # (With allocate_on_comm_stream and no async, nothing marks the current stream as
             # a reader of the outputs: README, EP_AVOID_RECORD_STREAM.)
-            held = used + outputs if guard_inputs else None
-            # A captured event cannot be queried later; inside a graph the graph's private
-            # pool keeps the memory, and the event still carries the references.
-            if held is not None and not capturing:
-                self._pending.append((event, held))
+            if async_with_compute_stream:
+                held = guarded_inputs + outputs
+                # A captured event cannot be queried later; inside a graph the graph's private
+                # pool keeps the memory, and the event still carries the references.
+                if not capturing:
+                    self._pending.append((event, held))
         else:
-            if guard_inputs:
-                for tensor in used:
-                    tensor.record_stream(comm)
+            for tensor in guarded_inputs:
+                tensor.record_stream(comm)
             if guard_outputs:
                 for tensor in outputs:
                     tensor.record_stream(compute if allocate_on_comm_stream else comm)
