@@ -35,10 +35,10 @@ source "$(dirname "$0")/steps.sh"
   'python3 -m pytest -q -x tests/test_kernels.py && python3 -m pytest -q -x \
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
    -k "cuda and (matrix and 2- or stream or sync or graph or invalid or dropped or aligned)"'
-[[ " ${SKIP:-} " == *" adapters "* ]] || step adapters "${ADAPTERS_S:-240}" python3 -m pytest -q -x \
+[[ " ${SKIP:-} " == *" adapters "* ]] || step adapters "${ADAPTERS_S:-300}" python3 -m pytest -q -x \
   -k cuda tests/test_elastic.py tests/test_adapters_v1.py tests/test_adapters_v2.py \
   tests/test_legacy.py tests/test_deep_ep.py
-[[ " ${SKIP:-} " == *" low-latency "* ]] || step low-latency "${LOW_LATENCY_S:-240}" bash -c \
+[[ " ${SKIP:-} " == *" low-latency "* ]] || step low-latency "${LOW_LATENCY_S:-360}" bash -c \
   'python3 -m pytest -q -x -k cuda tests/test_low_latency.py && python3 scripts/gpu_low_latency.py'
 [[ " ${SKIP:-} " == *" compile "* ]] || step compile "${COMPILE_S:-200}" \
   python3 -m pytest -q -x -rs tests/test_compile.py tests/test_compile_low_latency.py

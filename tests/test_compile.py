@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import os
 import time
+import weakref
 
 import pytest
 import torch
@@ -259,18 +260,22 @@ def run_inference(target: str, seed: int) -> int:
 
     # Lifetime: a handle lives as long as its key tensor.
     gc.collect()
-    assert len(ops._handles) == 0, f"{len(ops._handles)} handles outlived their keys"
+    assert len(ops._keys) == 0, f"{len(ops._keys)} handles outlived their keys"
     _, _, _, handle = ep.dispatch(buffer, x.to(device), idx.to(device), num_experts=num_experts)
-    copied_key = handle.key.clone()
+    assert handle.key.device.type == device  # (a CPU key would cut a CUDA graph)
     assert handle.num_recv_tokens_per_expert_list is not None  # EPHandle fields, eagerly
+    assert ops.handle_of(handle.key[:1]) is handle.resolve()  # a view names it too
+    for copy in (handle.key.clone(), torch.zeros_like(handle.key)):
+        with pytest.raises(ValueError, match="names no live handle"):
+            ops.handle_of(copy)
+    held = weakref.ref(handle.resolve())
+    view = handle.key[:1]
     del handle
     gc.collect()
-    try:
-        ops.handle_of(copied_key)
-    except ValueError as exc:
-        assert "freed" in str(exc), exc
-    else:
-        raise AssertionError("a key of a freed handle still named a handle")
+    assert held() is not None, "a handle died while a view of its key was alive"
+    del view
+    gc.collect()
+    assert held() is None and len(ops._keys) == 0, "a handle outlived its key"
 
     # Bad input fails while tracing (before anything is sent), naming the argument.
     def bad(x_bf16, topk_idx):
@@ -342,7 +347,7 @@ def run_compiled(target: str, seed: int) -> list[str]:
         try:
             run(target, seed)
         except AssertionError as exc:
-            raise AssertionError(f"{run.__name__}: {exc}") from None
+            raise AssertionError(f"{run.__name__}: {exc}") from exc  # (its line, in the chain)
         done.append(run.__name__)
     return done
 
@@ -377,11 +382,14 @@ def run_cuda_graph(seed: int) -> int:
     import torch._inductor.config as inductor_config
     inductor_config.triton.cudagraph_trees_history_recording = True
     step = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
+    keys_made = []  # the dispatches that ran on the host (each makes a key)
+    make_key = ops.key_of
+    ops.key_of = lambda handle, device: keys_made.append(1) or make_key(handle, device)
     data = torch.Generator().manual_seed(seed + 1 + rank)
     steps = 5
     for index in range(steps):
         if index == 2:  # after the warm-up and the recording call: replays only
-            first_serial = next(ops._serials)
+            keys_before_replays = len(keys_made)
         x = torch.randn(M - rank, H, generator=data).to("cuda", torch.bfloat16)
         grad = torch.randn(M - rank, H, generator=data).to("cuda", torch.bfloat16)
         got_grads = []
@@ -396,7 +404,8 @@ def run_cuda_graph(seed: int) -> int:
             _same_routing_close_values(f"step {index}: reduce-overhead result {position}",
                                        got, want)
     # Each eager step made one key; the replays made none.
-    assert next(ops._serials) == first_serial + 1 + (steps - 2), \
+    ops.key_of = make_key
+    assert len(keys_made) == keys_before_replays + (steps - 2), \
         "a replay ran a dispatch on the host"
     skips = dict(torch._dynamo.utils.counters["inductor"])
     assert not skips.get("cudagraph_skips"), f"CUDA graphs skipped: {skips}"

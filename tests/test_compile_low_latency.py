@@ -122,7 +122,7 @@ def run(seed: int, backend: str, device: str, compile_backend: str) -> int:
     with pytest.raises(ValueError, match="low-latency dispatch"):  # another op's key
         low_latency_combine(buffer, torch.zeros(EXPERTS_PER_RANK, num_ranks * M, H,
                                                 dtype=torch.bfloat16, device=device),
-                            topk_idx, weights, key_of(torch.zeros(1)))
+                            topk_idx, weights, key_of(object(), device))
     return checked
 
 

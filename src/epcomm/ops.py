@@ -45,23 +45,25 @@ How the handle and the buffer cross the op boundary:
 
 - The buffer is named by its `buffer_id` (an int, a constant of the compiled graph); the op
   finds the live `Buffer` by it (`epcomm.buffer.live_buffer`). A destroyed buffer is gone.
-- A dispatch's `EPHandle` is named by a *key*: a CPU int64 tensor [1] that the dispatch op
-  returns. The key's memory holds the `EPHandle`, so the handle lives exactly as long as that
-  memory: the key tensor and its views, wherever they are kept (a `Handle`, a tensor saved for
-  backward, a compiled graph's activations). When the last of them is freed, the handle is
-  freed and its key names nothing (a combine through a *copy* of a dead key raises). Keys are
-  never reused; there is no per-buffer or per-layer "current handle", so any number of layers
-  and buffers may interleave their dispatches and combines.
+- A dispatch's `EPHandle` is named by a *key*: an int64 tensor [1] on the buffer's device that
+  the dispatch op returns (`key_of`). The key's memory holds the `EPHandle`, so the handle lives
+  exactly as long as that memory: the key tensor and its views, wherever they are kept (a
+  `Handle`, a tensor saved for backward, a compiled graph's activations). When the last of them
+  is freed, the handle is freed. The key's address names the handle (its content is never
+  read, so resolving a key never waits for the device); a copy of a key names nothing. There
+  is no per-buffer or per-layer "current handle", so any number of layers and buffers may
+  interleave their dispatches and combines.
 
 (Tensors rather than torch's opaque objects: an opaque object cannot be created inside a
-compiled region, and a handle is made by the dispatch inside it.)
+compiled region, and a handle is made by the dispatch inside it. On the device rather than the
+host: Inductor cuts a CUDA graph around any CPU tensor, and every output of a dispatch is on the
+device, so a compiled layer's ops stay in one CUDA graph under `mode="reduce-overhead"`.)
 
 Under CUDA-graph replay nothing on the host runs: the captured kernels read and write the same
 device tensors, which is what the sync-free path needs (its shapes never change).
 """
 from __future__ import annotations
 
-import itertools
 import weakref
 from typing import NamedTuple, Optional, Union
 
@@ -99,42 +101,51 @@ define(
 
 
 # -- handle keys -------------------------------------------------------------------------------
-class _KeyMemory(bytearray):
-    """The 8 bytes of a key tensor; it holds the `EPHandle` the key names (so the handle lives
-    as long as the key's memory)."""
+class _KeyEntry:
+    """What a key's memory holds: the handle the key names, and the key's storage (its
+    identity: a copy of a key is a tensor of another storage and names nothing)."""
 
-    __slots__ = ("handle",)
+    __slots__ = ("handle", "storage", "__weakref__")
+
+    def __init__(self, handle) -> None:
+        self.handle = handle
+        self.storage = 0
 
 
-_handles: "weakref.WeakValueDictionary[int, EPHandle]" = weakref.WeakValueDictionary()
-_serials = itertools.count(1)
+# Key address -> entry of the live key there (an entry lives exactly as long as its key's memory,
+# and that memory's address is not reused before it is freed).
+_keys: "weakref.WeakValueDictionary[int, _KeyEntry]" = weakref.WeakValueDictionary()
 
 
-def key_of(handle) -> torch.Tensor:
-    """A new key for `handle` (an `EPHandle`, or what `epcomm.ops_low_latency` keys: any object
-    that can be weakly referenced): a CPU int64 tensor [1] holding a fresh serial number,
-    whose memory keeps `handle` alive."""
-    serial = next(_serials)
-    memory = _KeyMemory(8)
-    memory.handle = handle
-    key = torch.frombuffer(memory, dtype=torch.int64)
-    key[0] = serial
-    _handles[serial] = handle
+def key_of(handle, device: torch.device) -> torch.Tensor:
+    """A new key for `handle` (an `EPHandle`, or what `epcomm.ops_low_latency` keys): an int64
+    [1] tensor on `device` whose memory keeps `handle` alive (its content is unspecified: only
+    its address names the handle, so nothing is read back from the device).
+
+    The memory is allocated as usual (in a CUDA graph's pool while one records) and carries the
+    entry as an attribute of the tensor that owns it; the key is a DLPack alias of that tensor,
+    whose storage holds the owner until the key and all its views are freed."""
+    owner = torch.empty(1, dtype=torch.int64, device=device)
+    entry = _KeyEntry(handle)
+    owner._epcomm_key = entry  # (kept while a C++ reference holds the tensor: the key's storage)
+    key = torch.utils.dlpack.from_dlpack(torch.utils.dlpack.to_dlpack(owner))
+    entry.storage = key.untyped_storage()._cdata
+    _keys[key.data_ptr()] = entry
     return key
 
 
-def handle_of(key: torch.Tensor) -> EPHandle:
-    """The `EPHandle` that `key` (a key a dispatch op returned, or a copy) names."""
-    if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or key.device.type != "cpu" \
-            or key.shape != (1,):
-        raise ValueError("key must be the CPU int64 tensor [1] a dispatch returned as its handle "
+def handle_of(key: torch.Tensor):
+    """The handle that `key` (a key a dispatch op returned, or a view of one) names (host
+    only: reads the key's address, never its content)."""
+    if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or key.shape != (1,):
+        raise ValueError("key must be the int64 tensor [1] a dispatch returned as its handle "
                          f"key, got {key!r}")
-    serial = int(key[0])
-    handle = _handles.get(serial)
-    if handle is None:
-        raise ValueError(f"key {serial}: its handle was freed (a handle lives as long as the key "
-                         "tensor its dispatch returned, and that tensor's views)")
-    return handle
+    entry = _keys.get(key.data_ptr())
+    if entry is None or entry.storage != key.untyped_storage()._cdata:
+        raise ValueError("key names no live handle: its handle was freed, or this is a copy of "
+                         "a key (a handle lives as long as the key tensor its dispatch returned "
+                         "and that tensor's views; a copy names nothing)")
+    return entry.handle
 
 
 _STORAGE = 2  # storage views a dispatch op returns
@@ -156,7 +167,8 @@ def storage_views(handle: EPHandle, device: torch.device) -> tuple:
 class Handle(NamedTuple):
     """A dispatch's handle as the compiler sees it (`epcomm.autograd.dispatch` returns one).
 
-    key: CPU int64 [1], names (and keeps alive) the dispatch's `EPHandle` (`resolve()`).
+    key: int64 [1] on the buffer's device, names (and keeps alive) the dispatch's `EPHandle`
+        (`resolve()`).
     psum_num_recv_tokens_per_scaleup_rank: [R] int32 on the buffer's device, inclusive prefix
         sum of the compact rows received from each rank (`[-1]`: the valid compact rows).
     psum_num_recv_tokens_per_expert: [E_l] int32 on the buffer's device, as `EPHandle`'s
@@ -197,14 +209,15 @@ class Handle(NamedTuple):
         if not isinstance(handle, EPHandle):
             raise TypeError(f"handle must be an EPHandle or an epcomm.ops.Handle, "
                             f"got {type(handle).__name__}")
-        return cls(key=key_of(handle),
+        device = handle.tensors["topk_idx"].device
+        return cls(key=key_of(handle, device),
                    psum_num_recv_tokens_per_scaleup_rank=handle.tensors[
                        "psum_num_recv_tokens_per_scaleup_rank"],
                    psum_num_recv_tokens_per_expert=handle.tensors[
                        "psum_num_recv_tokens_per_expert"],
                    buffer_id=handle.buffer_id, num_tokens=handle.num_tokens,
                    num_rows=handle.num_output_rows, do_expand=handle.do_expand,
-                   storage=storage_views(handle, handle.tensors["topk_idx"].device))
+                   storage=storage_views(handle, device))
 
 
 # -- implementations ---------------------------------------------------------------------------
@@ -229,7 +242,7 @@ def _dispatch(x, x_scales, topk_idx, topk_weights, buffer_id, num_experts,
         num_sms=num_sms)
     # Copies: an op's outputs may not alias each other or live on inside the handle (the
     # storage views excepted: they stand for the handle's allocations, never read).
-    return (*_split(recv_x), recv_topk_idx, recv_weights, key_of(handle),
+    return (*_split(recv_x), recv_topk_idx, recv_weights, key_of(handle, buffer.device),
             handle.tensors["psum_num_recv_tokens_per_scaleup_rank"].clone(),
             handle.tensors["psum_num_recv_tokens_per_expert"].clone(),
             *storage_views(handle, buffer.device))
@@ -277,7 +290,7 @@ def _dispatch_fake(x, x_scales, topk_idx, topk_weights, buffer_id, num_experts,
         topk_weights.new_empty((rows,) if do_expand else (rows, num_topk))
     device = buffer.device
     return (recv_x, recv_scales, recv_topk_idx, recv_weights,
-            torch.empty(1, dtype=torch.int64, device="cpu"),
+            torch.empty(1, dtype=torch.int64, device=device),
             torch.empty(num_ranks, dtype=torch.int32, device=device),
             torch.empty(num_local, dtype=torch.int32, device=device),
             *(torch.empty(1, dtype=torch.int32, device=device) for _ in range(_STORAGE)))

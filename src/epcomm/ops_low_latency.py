@@ -21,8 +21,8 @@ The ops (namespace `epcomm`):
 - `low_latency_dispatch(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts,
   use_fp8, round_scale, use_ue8m0) -> (recv_x, recv_x_scales?, recv_count, key)`;
 - `low_latency_combine(x, topk_idx, topk_weights, key, buffer_id, use_logfmt) -> combined_x`.
-The buffer crosses as its `buffer_id` and the handle as a *key*, a CPU int64 [1] tensor whose
-memory keeps the `LowLatencyHandle` alive (`epcomm.ops.key_of`).
+The buffer crosses as its `buffer_id` and the handle as a *key*, an int64 [1] tensor on the
+buffer's device whose memory keeps the `LowLatencyHandle` alive (`epcomm.ops.key_of`).
 """
 from __future__ import annotations
 
@@ -42,16 +42,6 @@ define(
     "int buffer_id, bool use_logfmt) -> Tensor")
 
 
-class _Held:
-    """What a low-latency key holds: its `LowLatencyHandle` (a tuple, which cannot be
-    weakly referenced as `epcomm.ops`' key registry needs)."""
-
-    __slots__ = ("handle", "__weakref__")
-
-    def __init__(self, handle: LowLatencyHandle) -> None:
-        self.handle = handle
-
-
 @torch.library.impl(_LIB, "low_latency_dispatch", "CompositeExplicitAutograd")
 def _dispatch(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
               round_scale, use_ue8m0):
@@ -64,7 +54,7 @@ def _dispatch(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num_expe
         round_scale=round_scale, cumulative_stats=None, wait_stats=None,
         return_recv_hook=False, fresh_outputs=True)
     recv_x, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
-    return recv_x, scales, recv_count, key_of(_Held(handle))
+    return recv_x, scales, recv_count, key_of(handle, x.device)
 
 
 @torch.library.register_fake("epcomm::low_latency_dispatch")
@@ -84,15 +74,15 @@ def _dispatch_fake(x, topk_idx, buffer_id, num_max_dispatch_tokens_per_rank, num
                                      dtype=torch.int32 if use_ue8m0 else torch.float32,
                                      device=x.device)
     return (recv_x, scales, x.new_empty(num_local, dtype=torch.int32),
-            torch.empty(1, dtype=torch.int64, device="cpu"))
+            torch.empty(1, dtype=torch.int64, device=x.device))
 
 
 def resolve(key: torch.Tensor) -> LowLatencyHandle:
     """The `LowLatencyHandle` that `key` (from `low_latency_dispatch`) names."""
-    held = handle_of(key)
-    if not isinstance(held, _Held):
+    handle = handle_of(key)
+    if not isinstance(handle, LowLatencyHandle):
         raise ValueError("handle: not the key of a low-latency dispatch")
-    return held.handle
+    return handle
 
 
 @torch.library.impl(_LIB, "low_latency_combine", "CompositeExplicitAutograd")
@@ -117,7 +107,7 @@ def low_latency_dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor
     use_ue8m0=...)` as an op: shapes and meaning as there (`recv_x` a pair for FP8), its
     outputs new tensors of the call.
 
-    Returns `(recv_x, recv_count, handle)`; `handle` is a key (CPU int64 [1]) for
+    Returns `(recv_x, recv_count, handle)`; `handle` is a key (int64 [1], on the device) for
     `low_latency_combine`, keeping the dispatch's handle alive as long as it is."""
     recv_x, scales, recv_count, key = torch.ops.epcomm.low_latency_dispatch(
         x, topk_idx, buffer.buffer_id, num_max_dispatch_tokens_per_rank, num_experts,
