@@ -29,8 +29,8 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" symmetric "* ]] || step symmetric "${SYMMETRIC_S:-170}" python3 scripts/gpu_symmetric.py --ranks 2 4
 [[ " ${SKIP:-} " == *" symmetric8 "* ]] || step symmetric8 "${SYMMETRIC8_S:-170}" python3 scripts/gpu_symmetric.py --ranks 8 --no-bench
-[[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-230} LIFETIME_RUN_TIMEOUT_S=60 \
-  step lifetime "$(( ${LIFETIME_S:-230} + 70 ))" bash scripts/gpu_lifetime.sh
+[[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-280} LIFETIME_RUN_TIMEOUT_S=60 \
+  step lifetime "$(( ${LIFETIME_S:-280} + 70 ))" bash scripts/gpu_lifetime.sh
 [[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-330}" bash -c \
   'python3 -m pytest -q -x tests/test_kernels.py && python3 -m pytest -q -x \
    tests/test_cuda_sync_free.py tests/test_dispatch_combine.py \
