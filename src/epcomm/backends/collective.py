@@ -47,6 +47,13 @@ from ..layout import (SendLayout, compute_expert_layout, compute_send_layout, ex
 from ..nan import canonical_nan_
 from .base import Backend, BufferConfig, CombineRequest, DispatchRequest, DispatchResult
 
+
+def kernel_rows(rows: Sequence[torch.Tensor], hidden: int) -> bool:
+    """Whether the kernel path takes payload tensors `rows`: every row a whole number of int32
+    words, and hidden even (combine rows as words)."""
+    return hidden % 2 == 0 and all(
+        math.prod(row.shape[1:]) * row.element_size() % 4 == 0 for row in rows)
+
 _NUM_FIELDS = len(errors.CALL_FIELDS)
 _HEADER_WORDS = _NUM_FIELDS + 1        # the fields, then the block's record count
 _SEQ = errors.CALL_FIELDS.index("call sequence number")
@@ -81,8 +88,8 @@ def _row_bytes(tensor: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class _Record:
     """Byte offsets of the fields of one row: payload (begin, end) per payload tensor; the
-    int32 meta words from byte `meta`; `nbytes` per row (a multiple of 8, at least the
-    header, which fills the first row of each block)."""
+    int32 meta words from byte `meta`; `nbytes` per row (a multiple of 16, so that rows start
+    on vector boundaries; at least the header, which fills the first row of each block)."""
 
     payload: tuple[tuple[int, int], ...]
     meta: int
@@ -97,7 +104,7 @@ class _Record:
             offset += nbytes
         meta = offset + -offset % 4
         nbytes = max(meta + 4 * meta_words, 8 * _HEADER_WORDS)
-        return _Record(tuple(spans), meta, meta_words, nbytes + -nbytes % 8)
+        return _Record(tuple(spans), meta, meta_words, nbytes + -nbytes % 16)
 
     @property
     def meta_end(self) -> int:
@@ -293,7 +300,11 @@ class _CollectiveState:
 class CollectiveBackend(Backend):
     name = "collective"
 
-    def __init__(self, group: dist.ProcessGroup, config: BufferConfig) -> None:
+    def __init__(self, group: dist.ProcessGroup, config: BufferConfig,
+                 kernels: Optional[bool] = None) -> None:
+        """`kernels`: pack and unpack with the Triton kernels of `collective_kernels` (None:
+        with CUDA tensors; True also runs them on CPU tensors,
+        through the Triton interpreter); otherwise with torch operations."""
         super().__init__(config)
         self.group = group
         self.timeout = timedelta(seconds=config.timeout_s)
@@ -311,6 +322,13 @@ class CollectiveBackend(Backend):
         options = getattr(group._get_backend(torch.device("cpu")), "options", None) \
             if self._host_transport else None
         self._sets_op_timeout = getattr(options, "_timeout", None) is not None
+        self._kernels = None
+        if kernels is None:
+            kernels = device.type == "cuda"
+        if kernels:
+            from .collective_kernels import KernelPath  # (Triton: an optional dependency)
+            self._kernels = KernelPath(self)
+            self.input_alignment = 16
 
     def error_flags(self) -> torch.Tensor:
         return self._flags
@@ -439,6 +457,8 @@ class CollectiveBackend(Backend):
         record = _Record.of([_row_bytes(t).shape[1] for t in request.rows],
                             1 + num_topk * (2 if has_weights else 1))
         header = self._header(0, sync, E, M, request.do_expand, record.meta, has_weights)
+        if self._kernels is not None and kernel_rows(request.rows, self.config.hidden):
+            return self._kernels.dispatch(request, record, header)
         # The headers go first, read on the host, where the counts are needed there (a
         # synchronizing first call) or the transport runs on the host anyway (gloo); otherwise
         # (NCCL: sync-free or cached) they travel with the records and are checked on the device.
@@ -608,16 +628,18 @@ class CollectiveBackend(Backend):
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         self._check_usable()
         handle = request.handle
-        state: _CollectiveState = handle.backend_state
+        state = handle.backend_state
         H = self.config.hidden
         num_tokens, num_topk = handle.tensors["topk_idx"].shape
         x, weights = request.x, request.topk_weights
         sync = handle.do_cpu_sync
-        # Blocks run the other way: this rank sends along the dispatch's receive side.
-        back, returned_blocks = state.received, state.sent
         record = _Record.of([2 * H], num_topk if weights is not None else 0)
         header = self._header(1, sync, handle.num_experts, handle.num_max_tokens_per_rank,
                               handle.do_expand, 2 * H, weights is not None)
+        if not isinstance(state, _CollectiveState):  # made by the kernel path
+            return self._kernels.combine(request, record, header)
+        # Blocks run the other way: this rank sends along the dispatch's receive side.
+        back, returned_blocks = state.received, state.sent
         rows = self._header_rows(header, back.counts)
         if self._host_transport:
             self._exchange_headers("combine (header exchange)", rows)
