@@ -1,4 +1,4 @@
-"""Compile the symmetric backend's kernels for sm_90 (H100/H200) on a machine without a GPU.
+"""Compile the symmetric and collective backends' kernels for sm_90 (H100/H200) on a machine without a GPU.
 
     TRITON_INTERPRET=0 PYTHONPATH=src python3 scripts/compile_sm90.py [--ptx DIR]
 
@@ -25,8 +25,9 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from epcomm.backends import collective_kernels as CK  # noqa: E402
 from epcomm.backends.symmetric.backend import _GPU_TILE as TILE  # noqa: E402
-from epcomm.kernels import combine, dispatch  # noqa: E402
+from epcomm.kernels import collective, combine, dispatch  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536  # sm_90
@@ -45,12 +46,30 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
         bases_ptr="i64", sync_ptr="i64", rank_psum_ptr="i32", meta_ptr="i32", x_ptr="i16",
         weights_ptr="i32", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16", out_ptr="i16",
         w_out="i32", error_ptr="i32"),
+    collective.count_kernel: dict(idx_ptr="i64", counts_ptr="i32", flags_ptr="i32"),
+    collective.pack_kernel: dict(
+        idx_ptr="i64", weights_ptr="fp32", counts_ptr="i32", pos_ptr="i32", slot_ptr="i32",
+        send_counts_ptr="i32", idx_copy="i64", fields_ptr="i64", seq_ptr="i64"),
+    collective.unpack_kernel: dict(
+        counts_ptr="i32", rank_psum_out="i32", idx_out="i64", w_out="fp32", meta_out="i32",
+        hist_ptr="i32", fields_ptr="i64", seq_ptr="i64", flags_ptr="i32"),
+    collective.expert_prefix_kernel: dict(hist_ptr="i32", expert_counts_out="i32"),
+    collective.expand_kernel: dict(
+        rank_psum="i32", expert_counts="i32", expert_psum_out="i32", w_out="fp32",
+        meta_out="i32", hist_ptr="i32", flags_ptr="i32"),
+    collective.combine_pack_kernel: dict(
+        rank_psum="i32", metadata="i32", w_ptr="fp32", fields_ptr="i64", seq_ptr="i64"),
+    collective.combine_reduce_kernel: dict(
+        send_counts="i32", idx_ptr="i64", pos_ptr="i32", bias0="bf16", bias1="bf16",
+        out_ptr="bf16", w_out="fp32", fields_ptr="i64", seq_ptr="i64", flags_ptr="i32"),
 }
 
 
 def _constants(fn, shape) -> tuple[dict, int]:
     K, R, block_w, block_h, vec, vec_h = shape
     base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R))
+    if fn.__module__ == collective.__name__:
+        return _collective_constants(fn, base, K, vec)
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
             TILE["combine_warps"]
@@ -58,6 +77,28 @@ def _constants(fn, shape) -> tuple[dict, int]:
                  GROUP=dispatch.rank_group(TILE["rows"]))
     return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
         TILE["num_warps"]
+
+
+def _collective_constants(fn, base: dict, K: int, vec: int) -> tuple[dict, int]:
+    """The collective kernels' constants as `backends.collective_kernels` launches them (256
+    local experts' block at most, 256 programs' block)."""
+    block_p = dict(BLOCK_P=256)
+    if fn is collective.expert_prefix_kernel:
+        return block_p, CK.NUM_WARPS
+    if fn in (collective.combine_pack_kernel, collective.combine_reduce_kernel):
+        return dict(base, BLOCK_F=collective.BLOCK_F, ROWS=CK.COMBINE_ROWS, VEC=8,
+                    BLOCK_H=CK.BLOCK_H), CK.COMBINE_WARPS
+    rows = dict(base, ROWS=CK.ROWS)
+    if fn is collective.count_kernel:
+        return rows, CK.NUM_WARPS
+    rows.update(VEC=vec, BLOCK_W=CK.BLOCK_W)
+    if fn is collective.pack_kernel:
+        rows.update(block_p, BLOCK_F=collective.BLOCK_F)
+    elif fn is collective.unpack_kernel:
+        rows.update(BLOCK_M=triton.next_power_of_2(K + 2), BLOCK_E=32, BLOCK_F=collective.BLOCK_F)
+    else:
+        rows.update(BLOCK_E=32, GROUP=CK.GROUP)
+    return rows, CK.NUM_WARPS
 
 
 def compile_kernel(fn, shape):
@@ -71,7 +112,8 @@ def compile_kernel(fn, shape):
         elif name in pointers:
             signature[name] = "*" + pointers[name]
         else:
-            signature[name] = "i64" if name == "timeout" else "i32"
+            signature[name] = "i64" if name == "timeout" or name.endswith("_addr") \
+                or name in ("p0_out", "p1_out") else "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
              if name in pointers}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)

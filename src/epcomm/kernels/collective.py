@@ -39,10 +39,9 @@ import triton
 import triton.language as tl
 
 from .combine import half_ptrs
-from .common import (bf16_to_f32, columns, copy_rows, exclusive_rows, f32_to_bf16, flag_mask,
-                     i32_ptr, max_along, program_chunk, running_total, sum_along, total,
-                     word_ptrs)
-from .dispatch import _destinations, _expand_field
+from .common import (bf16_to_f32, columns, copy_rows, f32_to_bf16, flag_mask, i32_ptr,
+                     max_along, program_chunk, running_total, sum_along, total, word_ptrs)
+from .dispatch import _destinations, _expand_field, tile_positions
 from .. import errors
 from .sync import (CALL_MISMATCH, EXPAND_OVERFLOW, INVALID_EXPERT_ID, MISMATCH_PEER_SHIFT,
                    OUT_OF_STEP, RECEIVE_OVERFLOW)
@@ -209,16 +208,9 @@ def pack_kernel(idx_ptr, weights_ptr, has_w, num_tokens, num_experts, num_ranks,
         tmask = tt < end
         t64 = tt.to(tl.int64)
         hmask = tmask[:, None] & kmask[None, :]
-        ids, dest, sent, _ = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr, K,
-                                           BLOCK_K)
-        positions = tl.where(sent > 0, running[None, :] + exclusive_rows(sent, ROWS), -1)
-        running += total(sent)
-        tl.store(pos_ptr + t64[:, None] * num_ranks + rr[None, :], positions,
-                 mask=tmask[:, None] & rmask[None, :])
-        picked = sum_along(tl.where(dest[:, :, None] == rr[None, None, :],
-                                    positions[:, None, :], 0), 2)
-        tl.store(slot_ptr + t64[:, None] * K + kk[None, :],
-                 tl.where(dest >= 0, dest * max_tokens + picked, -1).to(tl.int32), mask=hmask)
+        ids, sent, positions, running = tile_positions(
+            idx_ptr, tt, tmask, num_experts, num_ranks, rr, running, pos_ptr, slot_ptr,
+            max_tokens, K, BLOCK_K, ROWS)
         if copy_idx != 0:
             at = t64[:, None] * K + kk[None, :]
             tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=hmask), mask=hmask)

@@ -124,6 +124,29 @@ def _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr, K: tl.constexp
 
 
 @triton.jit
+def tile_positions(idx_ptr, tt, tmask, num_experts, num_ranks, rr, running, pos_ptr, slot_ptr,
+                   stride, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
+    """Places tokens tt (one tile, in token order) among the rows sent to each rank. running
+    [BR]: rows that earlier tokens sent to each rank. Stores each token's row per rank to
+    pos[t, r] (-1: not sent) and each slot's `dest * stride + row` to slot[t, k] (-1: no
+    slot). Returns (global ids (`_destinations`), sent [T, BR], positions [T, BR], running
+    after the tile)."""
+    kk = tl.arange(0, BLOCK_K)
+    t64 = tt.to(tl.int64)
+    ids, dest, sent, _ = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr, K,
+                                       BLOCK_K)
+    positions = tl.where(sent > 0, running[None, :] + exclusive_rows(sent, ROWS), -1)
+    tl.store(pos_ptr + t64[:, None] * num_ranks + rr[None, :], positions,
+             mask=tmask[:, None] & (rr < num_ranks)[None, :])
+    picked = sum_along(tl.where(dest[:, :, None] == rr[None, None, :], positions[:, None, :],
+                                0), 2)
+    tl.store(slot_ptr + t64[:, None] * K + kk[None, :],
+             tl.where(dest >= 0, dest * stride + picked, -1).to(tl.int32),
+             mask=tmask[:, None] & (kk < K)[None, :])
+    return ids, sent, positions, running + total(sent)
+
+
+@triton.jit
 def _record_rows(bases_ptr, peer, region_offset, slots, record_words):
     """int64 addresses of records `slots` of the region at `region_offset` of `peer`'s heap."""
     return tl.load(bases_ptr + peer) + region_offset + slots.to(tl.int64) * record_words * 4
@@ -204,17 +227,9 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
         tt = t0 + tl.arange(0, ROWS)
         tmask = tt < end
         t64 = tt.to(tl.int64)
-        ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
-                                                 K, BLOCK_K)
-        positions = tl.where(sent > 0, running[None, :] + exclusive_rows(sent, ROWS), -1)
-        running += total(sent)
-        tl.store(pos_scratch + t64[:, None] * num_ranks + rr[None, :], positions,
-                 mask=tmask[:, None] & rmask[None, :])
-        picked = sum_along(tl.where(dest[:, :, None] == rr[None, None, :],
-                                    positions[:, None, :], 0), 2)
-        tl.store(slot_out + t64[:, None] * K + kk[None, :],
-                 tl.where(dest >= 0, dest * stride_tokens + picked, -1).to(tl.int32),
-                 mask=tmask[:, None] & kmask[None, :])
+        ids, _, _, running = tile_positions(idx_ptr, tt, tmask, num_experts, num_ranks, rr,
+                                            running, pos_scratch, slot_out, stride_tokens, K,
+                                            BLOCK_K, ROWS)
         tl.debug_barrier()  # the tile's positions are visible to every thread
         weights = tl.load(weights_ptr + t64[:, None] * K + kk[None, :],
                           mask=flag_mask(tmask[:, None] & kmask[None, :], has_w), other=0)
