@@ -23,8 +23,8 @@ REGION = 64  # bytes: the six int64 counters of one rank (dispatch), then the st
 SHAPE = KernelShape(num_ranks=1, num_topk=K, vec=1, block_w=16, rows=4, programs=1,
                              num_warps=1)
 TIMEOUT = timeout_units(10.0)
-# The variants `dispatch.variant` names for the examples' int64 ids: without idx_out (a send or
-# counting launch), and with an int64 idx_out (a full compact receive).
+# The variants `dispatch.variant` names for the examples' int64 ids: without idx_out (a send
+# launch or an expand receive), and with an int64 idx_out (a compact receive).
 SEND_VARIANT, FULL_VARIANT = (i64, i32), (i64, i64)
 
 
@@ -67,7 +67,7 @@ def _word(values, dtype):
 def _idle_receive(rank: OneRank, layout):
     """Arguments for the receive part of a launch that runs only the send part."""
     return dispatch.receive_phase(
-        rank.hist, layout, full=False, max_tokens=S, num_local=4, alignment=1,
+        rank.hist, layout, max_tokens=S, num_local=4, alignment=1,
         capacity=0, out_rows=0, expand=False, zero_padding=False, tail=False, idx_out=None,
         weights_out=None, metadata=rank.pos, rank_psum=rank.counts, expert_counts=rank.hist,
         expert_psum=rank.hist, rows_out=[])
@@ -109,9 +109,9 @@ def _receive_outputs(out_rows: int) -> dict:
                 rows_out=[torch.full((out_rows, H), -7, dtype=bf16, device=DEV)])
 
 
-def _receive_phase(rank, layout, out, *, full=True, expand=False, out_rows=1, tail=False,
+def _receive_phase(rank, layout, out, *, expand=False, out_rows=1, tail=False,
                    capacity=2**31 - 1):
-    return dispatch.receive_phase(rank.hist, layout, full=full, max_tokens=S,
+    return dispatch.receive_phase(rank.hist, layout, max_tokens=S,
                                   num_local=4, alignment=2, capacity=capacity, out_rows=out_rows,
                                   expand=expand, zero_padding=True, tail=tail, weights_out=None,
                                   **out)
@@ -121,10 +121,10 @@ def _receive(rank, layout, *, out_rows=1, **options):
     """A receive-only launch (the send part ran in an earlier one)."""
     out = _receive_outputs(out_rows)
     idle_send = _example_send_phase(rank, torch.empty(2, K, dtype=i32, device=DEV))[2]
-    full = options.get("full", True) and not options.get("expand", False)
+    compact = not options.get("expand", False)
     dispatch.run(SHAPE, rank.dispatch, layout, rank.sync, rank.error, TIMEOUT, idle_send,
                  _receive_phase(rank, layout, out, out_rows=out_rows, **options), do_send=False,
-                 variant=FULL_VARIANT if full else SEND_VARIANT)
+                 variant=FULL_VARIANT if compact else SEND_VARIANT)
     return out
 
 
@@ -155,14 +155,6 @@ def test_send_and_receive_in_one_launch():
     assert out["idx_out"].tolist() == [[0, 3]] and out["metadata"].tolist() == [[0, 1, 0, 2]]
     assert torch.equal(out["rows_out"][0], x[:1])
     assert rank.counters(0) == [1, 1, 1] and int(rank.error) == 0
-
-
-def test_receive_counting_pass_touches_no_output_or_counter():
-    rank = OneRank()
-    _, layout, _ = _send_example(rank)
-    out = _receive(rank, layout, full=False)
-    assert out["rank_psum"].tolist() == [1] and out["expert_counts"].tolist() == [1, 0, 0, 1]
-    assert out["metadata"].tolist() == [[-7] * (K + 2)] and rank.counters(0) == [1, 0, 1]
 
 
 def test_receive_sync_free_tail_and_expand_rows():
@@ -288,7 +280,7 @@ def test_template_arguments_only_for_a_kept_variant():
     send = dispatch.send_phase(rank.counts, rank.pos, stand[0], 4, None, [stand[1]], layout,
                                stand[2])
     receive = dispatch.receive_phase(
-        rank.hist, layout, full=True, max_tokens=S, num_local=4, alignment=2,
+        rank.hist, layout, max_tokens=S, num_local=4, alignment=2,
         capacity=2**31 - 1, out_rows=1, expand=False, zero_padding=True, tail=False,
         weights_out=None, idx_out=stand[3], metadata=stand[4], rank_psum=out["rank_psum"],
         expert_counts=out["expert_counts"], expert_psum=out["expert_psum"],

@@ -327,8 +327,8 @@ def test_prepared_calls_pass_the_typed_addresses():
     """What a prepared call's filled template launches (a kept compiled kernel on the GPU): the
     same arguments as the typed launch of the same call, pointer for pointer (a tensor and its
     address, a handle part and its offset into the block), for both layouts, bf16 and FP8,
-    with and without weights and the handle's topk_idx copy, synchronizing (two dispatch
-    launches and a host read between them) and sync-free (the first call of a call shape
+    with and without weights and the handle's topk_idx copy, synchronizing (one launch, then
+    a host read) and sync-free (the first call of a call shape
     prepares it, the second takes the prepared call without checks), cached dispatch (typed)
     and combine with biases (prepared when kept)."""
     cases = [(False, False, False, True, 0, True), (False, True, False, True, 2, True),
@@ -338,12 +338,11 @@ def test_prepared_calls_pass_the_typed_addresses():
     results = run_local_ranks(_launch_addresses, 1, cases)[0]
     for (case, kept, prepared, checked), (_, _, typed, typed_checked) in \
             zip(results[1::2], results[0::2]):
-        sync = cases[case][2]
         assert kept and typed_checked == 3 and checked == 2, (case, checked)
-        # sync: count and receive launches per dispatch, sync-free: one; every dispatch
-        # prepared (the first call of the shape prepares it) but the cached one, which is
-        # typed; the combine prepared
-        want = ["filled"] * (4 if sync else 2) + ["typed", "filled"]
+        # one launch per dispatch, synchronizing or not; every dispatch prepared (the first
+        # call of the shape prepares it) but the cached one, which is typed; the combine
+        # prepared
+        want = ["filled"] * 2 + ["typed", "filled"]
         assert [launch[2] for launch in prepared] == want, (case, prepared)
         assert len(typed) == len(want), (case, len(typed))
         assert all(launch[2] == "typed" for launch in typed)

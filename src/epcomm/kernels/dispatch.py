@@ -38,9 +38,6 @@ Receive part (the same P programs, the received rows split into P chunks):
    get -1 / 0 (payload 0 with zero padding);
 5. every program adds 1 to each source's free counter (release: its reads are done).
 
-`full=0` stops the receive part after the per-expert counts (the sync mode sizes its outputs from
-them on the host, then runs the receive part again with `full=1`); that pass touches no counter
-of a peer.
 """
 from __future__ import annotations
 
@@ -62,8 +59,8 @@ from .sync import (DISPATCH_TIMEOUT, EXPAND_OVERFLOW, INVALID_EXPERT_ID, RECEIVE
 _ALIGN_WORDS = 4  # 16 bytes: payload fields and records start on vector boundaries
 
 # Slots of the backend's local int64 sync tensor: grid-barrier counters of each kernel. The
-# dispatch send barrier's counter is also the dispatch call number (counter // P).
-SYNC_SEND, SYNC_RECEIVE, SYNC_COUNT = 0, 1, 2
+# dispatch send barrier's counter (slot 0) is also the dispatch call number (counter // P).
+SYNC_RECEIVE = tl.constexpr(1)
 
 
 def _align(n: int) -> int:
@@ -335,8 +332,8 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
 
 @triton.jit
 def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                  record_words, sync_ptr, call, barrier_slot, hist_ptr, max_tokens,
-                  num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
+                  record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
+                  capacity, out_rows, expand, zero_padding, tail,
                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
                   signature, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -402,10 +399,10 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         # their latency (using them first made every tile wait: 1.7 us of 90.5 on the H200).
         keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
         hmask = nmask[:, None] & kmask[None, :]
-        token = tl.load(i32_ptr(rec), mask=flag_mask(nmask, full))
+        token = tl.load(i32_ptr(rec), mask=nmask)
         weights = tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
-                          mask=flag_mask(hmask, has_w * (1 - expand) * full))
-        if (full != 0) & (expand == 0):
+                          mask=flag_mask(hmask, has_w * (1 - expand)))
+        if expand == 0:
             copy_rows(word_ptrs(rec + off0 * 4, VEC),
                       word_ptrs(p0_out + tl.multiple_of(n64 * w0, VEC), VEC), nmask, w0, VEC,
                       BLOCK_W)
@@ -415,24 +412,23 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         row_group = first_group + (rows - begin) // GROUP
         tl.atomic_add(group_counts + keys * num_groups + row_group[:, None], 1, mask=keys >= 0,
                       sem="relaxed", scope="gpu")
-        if full != 0:
-            grouped = tl.reshape(keys, [GROUPS, PAIRS])
-            in_group = sum_along((earlier[None, :, :]
-                                  & (grouped[:, None, :] == grouped[:, :, None])).to(tl.int32), 2)
-            pair_rows = (r0 + gg[:, None] * GROUP + qq[None, :] // BLOCK_K).to(tl.int64)
-            tl.store(pair_ranks + pair_rows * K + qq[None, :] % BLOCK_K, in_group,
-                     mask=grouped >= 0)
-            meta = meta_out + n64 * (K + 2)
-            tl.store(meta, source * max_tokens + token, mask=nmask)
-            tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
-            tl.store(meta[:, None] + 2 + kk[None, :], keys, mask=hmask)
-            if expand == 0:
-                tl.store(idx_out + n64[:, None] * K + kk[None, :],
-                         keys.to(idx_out.dtype.element_ty), mask=hmask)
-                tl.store(w_out + n64[:, None] * K + kk[None, :], weights,
-                         mask=flag_mask(hmask, has_w))
+        grouped = tl.reshape(keys, [GROUPS, PAIRS])
+        in_group = sum_along((earlier[None, :, :]
+                              & (grouped[:, None, :] == grouped[:, :, None])).to(tl.int32), 2)
+        pair_rows = (r0 + gg[:, None] * GROUP + qq[None, :] // BLOCK_K).to(tl.int64)
+        tl.store(pair_ranks + pair_rows * K + qq[None, :] % BLOCK_K, in_group,
+                 mask=grouped >= 0)
+        meta = meta_out + n64 * (K + 2)
+        tl.store(meta, source * max_tokens + token, mask=nmask)
+        tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
+        tl.store(meta[:, None] + 2 + kk[None, :], keys, mask=hmask)
+        if expand == 0:
+            tl.store(idx_out + n64[:, None] * K + kk[None, :],
+                     keys.to(idx_out.dtype.element_ty), mask=hmask)
+            tl.store(w_out + n64[:, None] * K + kk[None, :], weights,
+                     mask=flag_mask(hmask, has_w))
     # phase-mark: receive-rows-copied
-    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout)
+    grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
 
     # phase-mark: receive-grid-barrier
     # 3. Each program owns a contiguous share of the experts: for each, the group counts
@@ -450,7 +446,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
             carry += total(per_group)
         tl.store(expert_count_out + e, carry)
     # phase-mark: receive-expert-totals
-    grid_barrier(sync_ptr + barrier_slot, error_ptr, DISPATCH_TIMEOUT, timeout)
+    grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
     # phase-mark: receive-grid-barrier-2
     # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned first
     # row, and the alignment gaps of the experts e % P == pid.
@@ -465,96 +461,93 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         if pid == 0:
             tl.store(expert_psum_out + e0 + ee, tl.where(expand != 0, starts + pairs, inclusive),
                      mask=emask)
-        if full != 0:
-            tl.store(first_rows + e0 + ee, starts, mask=emask)
-            if expand != 0:
-                # Weights 0 and, with zero padding, payload 0 in the gaps.
-                first = e0 + (pid - e0 % num_programs + num_programs) % num_programs
-                for e in range(first, tl.minimum(e0 + BLOCK_E, num_local), num_programs):
-                    at = ee == e - e0
-                    gap_begin = total(tl.where(at, starts + pairs, 0))
-                    gap_end = gap_begin + total(tl.where(at, aligned - pairs, 0))
-                    if has_w != 0:
-                        _zero_rows(w_out, gap_begin, gap_end, 1, 1, ROWS, 16)
-                    if zero_padding != 0:
-                        _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
-                        _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
+        tl.store(first_rows + e0 + ee, starts, mask=emask)
+        if expand != 0:
+            # Weights 0 and, with zero padding, payload 0 in the gaps.
+            first = e0 + (pid - e0 % num_programs + num_programs) % num_programs
+            for e in range(first, tl.minimum(e0 + BLOCK_E, num_local), num_programs):
+                at = ee == e - e0
+                gap_begin = total(tl.where(at, starts + pairs, 0))
+                gap_end = gap_begin + total(tl.where(at, aligned - pairs, 0))
+                if has_w != 0:
+                    _zero_rows(w_out, gap_begin, gap_end, 1, 1, ROWS, 16)
+                if zero_padding != 0:
+                    _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
+                    _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
 
     # phase-mark: receive-first-rows
     # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
     # groups, plus its rank in the group. Tiles are independent.
     overflow = tl.full([], 0, tl.int32)
-    if full != 0:
-        tl.debug_barrier()
-        for r0 in range(begin, end, ROWS):
-            rows = r0 + tl.arange(0, ROWS)
-            n64 = rows.to(tl.int64)
-            hmask = (rows < end)[:, None] & kmask[None, :]
-            slots = meta_out + n64[:, None] * (K + 2) + 2 + kk[None, :]
-            keys = tl.load(slots, mask=hmask, other=-1)
-            valid = keys >= 0
-            row_group = first_group + (rows - begin) // GROUP
-            target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
-                + tl.load(group_counts + keys * num_groups + row_group[:, None], mask=valid,
-                          other=0, cache_modifier=".cg") \
-                + tl.load(pair_ranks + n64[:, None] * K + kk[None, :], mask=valid, other=0)
-            fits = target < capacity
-            overflow += total(total((valid & ~fits).to(tl.int32)))
-            tl.store(slots, tl.where(fits, target, -1), mask=valid)
+    tl.debug_barrier()
+    for r0 in range(begin, end, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        n64 = rows.to(tl.int64)
+        hmask = (rows < end)[:, None] & kmask[None, :]
+        slots = meta_out + n64[:, None] * (K + 2) + 2 + kk[None, :]
+        keys = tl.load(slots, mask=hmask, other=-1)
+        valid = keys >= 0
+        row_group = first_group + (rows - begin) // GROUP
+        target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
+            + tl.load(group_counts + keys * num_groups + row_group[:, None], mask=valid,
+                      other=0, cache_modifier=".cg") \
+            + tl.load(pair_ranks + n64[:, None] * K + kk[None, :], mask=valid, other=0)
+        fits = target < capacity
+        overflow += total(total((valid & ~fits).to(tl.int32)))
+        tl.store(slots, tl.where(fits, target, -1), mask=valid)
     # phase-mark: receive-expand-rows
     if overflow > 0:
         tl.atomic_or(error_ptr, EXPAND_OVERFLOW)
 
-    if full != 0:
-        tl.debug_barrier()
+    tl.debug_barrier()
+    if expand != 0:
+        for r0 in range(begin, end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            nmask = rows < end
+            source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
+                                       record_words, rows, psum, counts, rr)
+            meta = meta_out + rows.to(tl.int64) * (K + 2)
+            hmask = nmask[:, None] & kmask[None, :]
+            targets = tl.load(meta[:, None] + 2 + kk[None, :], mask=hmask, other=-1)
+            tl.store(w_out + targets, tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
+                                              mask=hmask),
+                     mask=flag_mask(hmask & (targets >= 0), has_w))
+            _expand_field(word_ptrs(rec + off0 * 4, VEC), w0, p0_out, meta, nmask, K, VEC,
+                          BLOCK_W)
+            _expand_field(word_ptrs(rec + off1 * 4, VEC), w1, p1_out, meta, nmask, K, VEC,
+                          BLOCK_W)
+    if tail != 0:  # capacity-sized outputs: everything past the valid prefix
+        share = (out_rows - num_rows + num_programs - 1) // num_programs
+        tail_begin = num_rows + pid * share
+        _clear_rows(tail_begin, tl.minimum(tail_begin + share, out_rows), meta_out, idx_out,
+                    w_out, expand, has_w, zero_padding, p0_out, w0, p1_out, w1, K, BLOCK_M,
+                    VEC, ROWS, BLOCK_W)
         if expand != 0:
-            for r0 in range(begin, end, ROWS):
-                rows = r0 + tl.arange(0, ROWS)
-                nmask = rows < end
-                source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
-                                           record_words, rows, psum, counts, rr)
-                meta = meta_out + rows.to(tl.int64) * (K + 2)
-                hmask = nmask[:, None] & kmask[None, :]
-                targets = tl.load(meta[:, None] + 2 + kk[None, :], mask=hmask, other=-1)
-                tl.store(w_out + targets, tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
-                                                  mask=hmask),
-                         mask=flag_mask(hmask & (targets >= 0), has_w))
-                _expand_field(word_ptrs(rec + off0 * 4, VEC), w0, p0_out, meta, nmask, K, VEC,
-                              BLOCK_W)
-                _expand_field(word_ptrs(rec + off1 * 4, VEC), w1, p1_out, meta, nmask, K, VEC,
-                              BLOCK_W)
-        if tail != 0:  # capacity-sized outputs: everything past the valid prefix
-            share = (out_rows - num_rows + num_programs - 1) // num_programs
-            tail_begin = num_rows + pid * share
-            _clear_rows(tail_begin, tl.minimum(tail_begin + share, out_rows), meta_out, idx_out,
-                        w_out, expand, has_w, zero_padding, p0_out, w0, p1_out, w1, K, BLOCK_M,
-                        VEC, ROWS, BLOCK_W)
-            if expand != 0:
-                share = (capacity - carry + num_programs - 1) // num_programs
-                tail_begin = carry + pid * share
-                tail_end = tl.minimum(tail_begin + share, capacity)
-                if has_w != 0:
-                    _zero_rows(w_out, tail_begin, tail_end, 1, 1, ROWS, 16)
-                if zero_padding != 0:
-                    _zero_rows(p0_out, tail_begin, tail_end, w0, VEC, ROWS, BLOCK_W)
-                    _zero_rows(p1_out, tail_begin, tail_end, w1, VEC, ROWS, BLOCK_W)
-        # phase-mark: receive-done
-        # 5. This program is done with the staging region.
-        add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask),
+            share = (capacity - carry + num_programs - 1) // num_programs
+            tail_begin = carry + pid * share
+            tail_end = tl.minimum(tail_begin + share, capacity)
+            if has_w != 0:
+                _zero_rows(w_out, tail_begin, tail_end, 1, 1, ROWS, 16)
+            if zero_padding != 0:
+                _zero_rows(p0_out, tail_begin, tail_end, w0, VEC, ROWS, BLOCK_W)
+                _zero_rows(p1_out, tail_begin, tail_end, w1, VEC, ROWS, BLOCK_W)
+    # phase-mark: receive-done
+    # 5. This program is done with the staging region.
+    add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask),
                      rmask)
 
 
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
     "timeout", "signature", "do_send", "do_receive", "num_tokens", "num_experts", "copy_idx",
-    "has_w", "w0", "off0", "w1", "off1", "barrier_slot", "max_tokens", "num_local", "alignment", "capacity",
-    "out_rows", "full", "expand", "zero_padding", "tail", "has_w_out", "v0", "o0", "v1", "o1"])
+    "has_w", "w0", "off0", "w1", "off1", "max_tokens", "num_local", "alignment", "capacity",
+    "out_rows", "expand", "zero_padding", "tail", "has_w_out", "v0", "o0", "v1", "o1"])
 def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                     record_words, sync_ptr, error_ptr, timeout, signature, do_send, do_receive,
                     counts_scratch, pos_scratch, idx_ptr, num_tokens, num_experts, idx_copy,
                     copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out,
-                    barrier_slot, hist_ptr, max_tokens, num_local, alignment, capacity,
-                    out_rows, full, expand, zero_padding, tail, idx_out, w_out, has_w_out,
+                    hist_ptr, max_tokens, num_local, alignment, capacity, out_rows, expand,
+                    zero_padding, tail, idx_out, w_out, has_w_out,
                     meta_out, rank_psum_out, expert_count_out, expert_psum_out, q0_out, v0, o0,
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -574,8 +567,8 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
     call = tl.load(sync_ptr + 0, volatile=True) // tl.num_programs(0)
     if do_receive != 0:
         _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
-                      record_words, sync_ptr, call, barrier_slot, hist_ptr, max_tokens,
-                      num_local, alignment, capacity, out_rows, full, expand, zero_padding, tail,
+                      record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
+                      capacity, out_rows, expand, zero_padding, tail,
                       idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
                       expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout,
                       signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, GROUP, ROWS, VEC,
@@ -662,20 +655,19 @@ def num_groups(programs: int, rows: int, max_rows: int) -> int:
     return programs * -(-chunk // rank_group(rows))
 
 
-def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
+def receive_phase(hist_scratch, layout, *, max_tokens: int,
                   num_local: int, alignment: int, capacity: int, out_rows: int, expand: bool,
                   zero_padding: bool, tail: bool, idx_out, weights_out, metadata, rank_psum,
                   expert_counts, expert_psum, rows_out) -> dict:
     """The destination side of a dispatch, as `dispatch_kernel`'s arguments by name.
 
     Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
-    (int32); with `full`, metadata [out_rows, K + 2] int32, idx_out [out_rows, K] (compact),
+    (int32); metadata [out_rows, K + 2] int32, idx_out [out_rows, K] (compact),
     weights_out (compact [out_rows, K], expand [capacity] fp32, or None) and rows_out (the
     payload tensors: out_rows (compact) or capacity (expand) rows). `capacity`: expand rows that
     exist (pairs past it are dropped and flagged). `tail`: rows past the received prefix get
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
-    num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`; the counting pass
-    (`full=False`) passes a bound it cannot reach. hist_scratch: int32
+    num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`. hist_scratch: int32
     [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. Tensors may be
     `Address` stand-ins as in `send_phase`.
 
@@ -684,9 +676,8 @@ def receive_phase(hist_scratch, layout, *, full: bool, max_tokens: int,
     idx_out = [[0, 3]], metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
     """
     payload = rows_out if rows_out else [metadata]
-    return dict(barrier_slot=SYNC_RECEIVE if full else SYNC_COUNT, hist_ptr=hist_scratch,
-                max_tokens=max_tokens, num_local=num_local, alignment=alignment,
-                capacity=capacity, out_rows=out_rows, full=int(full), expand=int(expand),
+    return dict(hist_ptr=hist_scratch, max_tokens=max_tokens, num_local=num_local,
+                alignment=alignment, capacity=capacity, out_rows=out_rows, expand=int(expand),
                 zero_padding=int(zero_padding), tail=int(tail),
                 idx_out=metadata if idx_out is None else idx_out,
                 w_out=metadata if weights_out is None else weights_out.view(torch.int32),

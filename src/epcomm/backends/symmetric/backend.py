@@ -23,11 +23,10 @@ from ..base import (Backend, BufferConfig, CombineRequest, DispatchRequest, Disp
 from .blocks import BlockLayout, TensorBlock
 from .heap import SymmetricHeap, all_gather_objects, heap_layout, heap_reachable
 from .heap import payload_words as hidden_payload_words
-from .plans import (CombinePlan, Counts, DispatchPlan, HostRead, OutputSpec, Scratch,
-                    SyncDispatchPlan)
+from .plans import CombinePlan, Counts, DispatchPlan, HostRead, OutputSpec, Scratch
 from .warmup import warm_up
 
-_NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs, counting pass)
+_NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs)
 # Tiles of the GPU kernels: 16 rows x 512 words (32 KB of loads in flight per program; 7168
 # bf16 is exactly 7 steps), 16 rows x 1024 bf16 in combine (16 warps for the fp32 sums).
 # Measured (scripts/gpu_tune.py, H200, EP=1 4096 x 7168): compact combine 77.1 us at
@@ -234,8 +233,6 @@ class SymmetricBackend(Backend):
         num_tokens = topk_idx.shape[0]
         if cached is not None and sync:
             num_rows, num_expanded = cached.num_recv_tokens, cached.num_expanded_tokens
-        elif sync:
-            num_rows = num_expanded = None  # counted on the device first
         else:
             num_rows, num_expanded = self._capacity(request)
         copy = request.copy_topk_idx
@@ -249,37 +246,39 @@ class SymmetricBackend(Backend):
         send = dispatch_kernels.send_phase(
             self.counts_scratch, self.pos_scratch, topk_idx, E, weights, rows, layout,
             block.arg("dst_buffer_slot_idx"), block.arg("topk_idx") if copy else None)
-        counts = None
-        if num_rows is None:
-            # Send and count in one launch, size the outputs on the host, then receive.
-            count_variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32)
-            launcher(count_variant, stream,
-                     self._count_arguments(request, layout, block, send, hist))
-            counts = self._read_counts(block.block, stream, block_layout, align)  # the host sync
-            # A timeout or a peer out of step now (the receive launch would wait again); the
-            # rest (a peer's call differed, ...) after it, which frees the peers' records.
-            self._raise_flags("dispatch", errors.FAULT, counts.flags)
-            num_rows = counts.num_rows
-            num_expanded = sum(counts.per_expert) if expand else 0
-            block.extra["recv_src_metadata"] = alloc.empty((num_rows, K + 2), torch.int32)
-            sent = True
-        else:
-            sent = False
         recv_rows, recv_weights, local_idx = self._output_spec(request).allocate(
             alloc, num_rows, num_expanded)
         launcher(variant, stream, self._receive_arguments(
             request, layout, block, send, hist, num_rows, num_expanded, recv_rows, recv_weights,
-            local_idx, do_send=not sent))
+            local_idx))
         if cached is not None:
             return DispatchResult(recv_rows, local_idx, recv_weights, cached)
-        if counts is not None:
-            self._raise_flags("dispatch", -1, counts.flags)  # (after the peers' records are freed)
-        handle = EPHandle(block, None if counts is None else counts.per_expert,
-                          **self._handle_fields(request), num_recv_tokens=num_rows,
+        handle = EPHandle(block, None, **self._handle_fields(request), num_recv_tokens=num_rows,
                           num_expanded_tokens=num_expanded, backend_state=block,
                           storage=block.storage())
-        return DispatchResult(recv_rows, local_idx, recv_weights, handle,
-                              flags_checked=counts is not None)
+        result = DispatchResult(recv_rows, local_idx, recv_weights, handle)
+        return self._exact(result, stream, align) if sync else result
+
+    def _exact(self, result: DispatchResult, stream, alignment: int) -> DispatchResult:
+        """A synchronizing dispatch's results, from those of the call made as a sync-free one:
+        one host read of the counts and the error flag, then the outputs cut to their valid
+        prefix (views of the capacity-sized outputs: nothing is copied) and the handle given
+        the exact sizes and `num_recv_tokens_per_expert_list`."""
+        handle = result.handle
+        block: TensorBlock = handle.backend_state
+        counts = self._read_counts(block.block, stream, block.layout, alignment)
+        self._raise_flags("dispatch", -1, counts.flags)
+        num_rows = counts.num_rows
+        rows = sum(counts.per_expert) if handle.do_expand else num_rows
+        handle.num_recv_tokens = num_rows
+        handle.num_expanded_tokens = rows if handle.do_expand else 0
+        handle.num_recv_tokens_per_expert_list = counts.per_expert
+        handle.recv_src_metadata = block["recv_src_metadata"][:num_rows]
+        idx, weights = result.recv_topk_idx, result.recv_topk_weights
+        return DispatchResult([row[:rows] for row in result.recv_rows],
+                              None if idx is None else idx[:num_rows],
+                              None if weights is None else weights[:rows], handle,
+                              flags_checked=True)
 
     def _capacity(self, request: DispatchRequest) -> tuple[int, int]:
         """(compact rows, expand rows) of a sync-free dispatch's outputs (contract section 2)."""
@@ -302,31 +301,19 @@ class SymmetricBackend(Backend):
                     expert_counts=block.arg("num_unaligned_recv_tokens_per_expert"),
                     expert_psum=block.arg("psum_num_recv_tokens_per_expert"))
 
-    def _count_arguments(self, request: DispatchRequest, layout: RecordLayout,
-                         block: TensorBlock, send: dict, hist) -> dict:
-        """The arguments of a synchronizing dispatch's first launch: send, then count."""
-        return dispatch_kernels.arguments(
-            self.dispatch_stage, layout, self.sync, self.flags, self.timeout, send,
-            dispatch_kernels.receive_phase(
-                hist, layout, full=False, capacity=0, out_rows=_NO_CAPACITY,
-                zero_padding=False, tail=False, idx_out=None, weights_out=None,
-                metadata=block.arg("dst_buffer_slot_idx"), rows_out=[],
-                **self._receive_parts(request, block)))
-
     def _receive_arguments(self, request: DispatchRequest, layout: RecordLayout,
                            block: TensorBlock, send: dict, hist, num_rows: int,
-                           num_expanded: int, recv_rows, recv_weights, local_idx, *,
-                           do_send: bool) -> dict:
-        """The arguments of the launch that fills the outputs (after sending, or sending too)."""
+                           num_expanded: int, recv_rows, recv_weights, local_idx) -> dict:
+        """The arguments of the launch that sends and fills the outputs."""
         expand = request.do_expand
         receive = dispatch_kernels.receive_phase(
-            hist, layout, full=True, capacity=num_expanded if expand else _NO_CAPACITY,
+            hist, layout, capacity=num_expanded if expand else _NO_CAPACITY,
             out_rows=num_rows, zero_padding=request.do_zero_padding,
             tail=not request.do_cpu_sync, idx_out=local_idx, weights_out=recv_weights,
             metadata=block.arg("recv_src_metadata"), rows_out=recv_rows,
             **self._receive_parts(request, block))
         return dispatch_kernels.arguments(self.dispatch_stage, layout, self.sync, self.flags,
-                                          self.timeout, send, receive, do_send=do_send)
+                                          self.timeout, send, receive)
 
     def _handle_fields(self, request: DispatchRequest) -> dict:
         """The `EPHandle` fields of a dispatch but its tensors and its row counts."""
@@ -338,9 +325,9 @@ class SymmetricBackend(Backend):
 
     def _read_counts(self, block: torch.Tensor, stream, layout: BlockLayout,
                      alignment: int) -> Counts:
-        """A counting pass's results in one host read: the handle block's words from the
-        per-source prefix to the end of the per-expert counts (they lie in that order), and
-        the error flag."""
+        """A dispatch's counts in one host read: the handle block's words from the per-source
+        prefix to the end of the per-expert counts (they lie in that order), and the error
+        flag."""
         psum_at = layout.parts["psum_num_recv_tokens_per_scaleup_rank"][0]
         at, (num_local,), _ = layout.parts["num_unaligned_recv_tokens_per_expert"]
         words = self.host_read([block[psum_at:at + num_local], self.flags.view(1)], stream)
@@ -348,27 +335,24 @@ class SymmetricBackend(Backend):
                       [align_up(count, alignment) for count in words[at - psum_at:-1]],
                       words[-1])
 
-    def _prepare(self, request: DispatchRequest):
-        """The prepared call of this call's shape (`DispatchPlan`, or `SyncDispatchPlan` with
-        `do_cpu_sync`): the launches' arguments built by the same code as every other launch's,
-        with an `Address` stand-in for each tensor (and, for the second launch of a
-        synchronizing call, each row count), in the plan's slot order. None if a kernel variant
-        is not kept (under the interpreter, or after the compiled launcher rejected a launch)."""
+    def _prepare(self, request: DispatchRequest) -> Optional[DispatchPlan]:
+        """The prepared call of this call's shape: the launch's arguments built by the same
+        code as every other launch's, with an `Address` stand-in for each tensor, in the plan's
+        slot order (`DispatchPlan`; with `do_cpu_sync` it ends in `_exact`). None if the kernel
+        variant is not kept (under the interpreter, or after the compiled launcher rejected a
+        launch)."""
         rows, topk_idx, weights = request.rows, request.topk_idx, request.topk_weights
-        sync = request.do_cpu_sync
         layout, launcher = self._record_layout(rows)
         variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32
                                            if request.do_expand else topk_idx.dtype)
-        count_variant = dispatch_kernels.variant(topk_idx, weights, rows, torch.int32)
-        if not launcher.kept(variant) or (sync and not launcher.kept(count_variant)):
+        if not launcher.kept(variant):
             return None
-        num_rows, num_expanded = (None, None) if sync else self._capacity(request)
+        num_rows, num_expanded = self._capacity(request)
         copy = request.copy_topk_idx
         num_local = request.num_experts // self.num_ranks
         block_layout = self._block_layout(topk_idx.shape[0], num_local, num_rows,
                                           topk_idx.dtype if copy else None)
-        spec = self._output_spec(request)
-        shapes = spec.shapes(0 if sync else num_rows, 0 if sync else num_expanded)
+        shapes = self._output_spec(request).shapes(num_rows, num_expanded)
         slots = itertools.count()
 
         def stand_in(shape=()) -> Address:
@@ -379,40 +363,23 @@ class SymmetricBackend(Backend):
         weights_slot = None if weights is None else stand_in(weights.shape)
         block = TensorBlock(stand_in((block_layout.words,)), block_layout,
                             None if copy else {"topk_idx": idx_slot})
-        scratch_shape = self.receive_scratch(num_local, request.stream).shape
-        hist = stand_in(scratch_shape) if sync else None
-        if sync:
-            block.extra["recv_src_metadata"] = stand_in()
         recv_rows = [stand_in(shape) for shape, _ in shapes.rows]
         recv_weights = None if shapes.weights is None else stand_in(shapes.weights[0])
         local_idx = None if shapes.idx is None else stand_in(shapes.idx[0])
-        if sync:  # the row counts (the expand rows only where the expand layout takes them)
-            num_rows = stand_in()
-            num_expanded = stand_in() if request.do_expand else 0
-        else:
-            hist = stand_in(scratch_shape)
+        hist = stand_in(self.receive_scratch(num_local, request.stream).shape)
         send = dispatch_kernels.send_phase(
             self.counts_scratch, self.pos_scratch, idx_slot, request.num_experts, weights_slot,
             row_slots, layout, block.arg("dst_buffer_slot_idx"),
             block.arg("topk_idx") if copy else None)
         fields = self._receive_arguments(request, layout, block, send, hist, num_rows,
-                                         num_expanded, recv_rows, recv_weights, local_idx,
-                                         do_send=not sync)
-        base = block.address.slot
-        if sync:
-            templates = (launcher.template(self._count_arguments(request, layout, block, send,
-                                                                 hist), base=base),
-                         launcher.template(fields, base=base))
-            return SyncDispatchPlan(
-                launcher, count_variant, variant, block_layout, copy,
-                self._handle_fields(request), spec, templates, self.hist,
-                read=functools.partial(self._read_counts, layout=block_layout,
-                                       alignment=request.expert_alignment),
-                check=functools.partial(self._raise_flags, "dispatch"))
+                                         num_expanded, recv_rows, recv_weights, local_idx)
+        exact = functools.partial(self._exact, alignment=request.expert_alignment) \
+            if request.do_cpu_sync else None
         return DispatchPlan(launcher, variant, block_layout, shapes, copy,
                             dict(self._handle_fields(request), num_recv_tokens=num_rows,
                                  num_expanded_tokens=num_expanded),
-                            launcher.template(fields, base=base), self.device, self.hist)
+                            launcher.template(fields, base=block.address.slot), self.device,
+                            self.hist, exact)
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, request: CombineRequest) -> tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -14,7 +14,6 @@ from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
-from ... import errors
 from ...handle import EPHandle
 from ...kernels.launcher import ArgTemplate, Launcher
 from ..base import DispatchResult, OutputAllocator
@@ -113,7 +112,7 @@ class HostRead:
 
 @dataclass(frozen=True)
 class Counts:
-    """What a synchronizing dispatch reads back after its counting pass: the received compact
+    """What a synchronizing dispatch reads back once its launch is done: the received compact
     rows, each local expert's rows aligned up, and the error flag (see `SymmetricBackend`)."""
 
     num_rows: int
@@ -133,17 +132,20 @@ def _makers(shapes: Sequence[tuple], device: torch.device) -> list:
 
 
 class DispatchPlan:
-    """A sync-free dispatch of one call shape (`base.PreparedDispatch`). Template slots, in
-    order: the caller's payload rows, topk_idx, weights (if any); the handle's block, the
-    received rows, the received weights (if any), the local ids (compact); the receive
-    scratch."""
+    """A dispatch of one call shape (`base.PreparedDispatch`), made with capacity-sized outputs.
+    Template slots, in order: the caller's payload rows, topk_idx, weights (if any); the
+    handle's block, the received rows, the received weights (if any), the local ids (compact);
+    the receive scratch. exact: for a synchronizing call, `exact(result, stream)` makes its
+    exact-size results from those (one host read)."""
 
     def __init__(self, launcher: Launcher, variant: Hashable, block_layout: BlockLayout,
                  outputs: OutputShapes, copy: bool, handle_fields: dict,
-                 template: ArgTemplate, device: torch.device, hist: Scratch) -> None:
+                 template: ArgTemplate, device: torch.device, hist: Scratch,
+                 exact: Optional[Callable] = None) -> None:
         self.launcher, self.variant, self.block_layout = launcher, variant, block_layout
         self.copy, self.handle_fields, self.template, self.hist = copy, handle_fields, \
             template, hist
+        self.exact = exact
         self.allocations = [((block_layout.words,), torch.int32), *outputs.rows]
         self.rows_end = len(self.allocations)
         self.weights_at = self.idx_at = None
@@ -170,10 +172,11 @@ class DispatchPlan:
                               None if self.copy else {"topk_idx": topk_idx})
         handle = EPHandle(tensors, None, **self.handle_fields, backend_state=tensors,
                           storage=tensors.storage())
-        return DispatchResult(outputs[1:self.rows_end],
-                              None if self.idx_at is None else outputs[self.idx_at],
-                              None if self.weights_at is None else outputs[self.weights_at],
-                              handle)
+        result = DispatchResult(outputs[1:self.rows_end],
+                                None if self.idx_at is None else outputs[self.idx_at],
+                                None if self.weights_at is None else outputs[self.weights_at],
+                                handle)
+        return result if self.exact is None else self.exact(result, stream)
 
 
 class CombinePlan:
@@ -198,58 +201,3 @@ class CombinePlan:
         addresses += [tensor.data_ptr() for tensor in (*biases, *outputs)]
         self.launcher.launch_filled(self.variant, stream, self.template.fill(addresses))
         return outputs[0], outputs[1] if len(outputs) > 1 else None
-
-
-class SyncDispatchPlan:
-    """A synchronizing dispatch of one call shape (`base.PreparedDispatch`): the send-and-count
-    launch, one host read of the counts and the error flag (`read`), then the receive launch
-    into outputs of the read size. Both launches fill templates. Slots, in order: the caller's
-    payload rows, topk_idx, weights (if any); the handle's block; the receive scratch (the
-    counting launch ends here); recv_src_metadata; the received rows, the received weights (if
-    any), the local ids (compact); then the compact rows and (expand) the expand rows, ints.
-
-    read(block, stream) -> Counts; check(bits, flags) raises (and clears) the flag's `bits`
-    set in `flags`."""
-
-    def __init__(self, launcher: Launcher, count_variant: Hashable, variant: Hashable,
-                 block_layout: BlockLayout, copy: bool, handle_fields: dict, outputs: OutputSpec,
-                 templates: tuple[ArgTemplate, ArgTemplate], hist: Scratch, read: Callable,
-                 check: Callable) -> None:
-        self.launcher, self.count_variant, self.variant = launcher, count_variant, variant
-        self.block_layout, self.copy, self.handle_fields = block_layout, copy, handle_fields
-        self.outputs = outputs
-        self.count_template, self.receive_template = templates
-        self.hist, self.read, self.check = hist, read, check
-
-    def takes(self, addresses: Sequence[int]) -> bool:
-        """Each address 16-byte aligned, and both kernels still kept."""
-        return _aligned(addresses) and self.launcher.kept(self.count_variant) and \
-            self.launcher.kept(self.variant)
-
-    def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc: OutputAllocator,
-            stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
-        block = alloc.empty((self.block_layout.words,), torch.int32)
-        head = [*addresses, block.data_ptr(), self.hist.tensor.data_ptr()]
-        self.launcher.launch_filled(self.count_variant, stream, self.count_template.fill(head))
-        counts = self.read(block, stream)
-        # A timeout or a peer out of step first: the receive launch would wait again.
-        self.check(errors.FAULT, counts.flags)
-        num_rows = counts.num_rows
-        num_expanded = sum(counts.per_expert) if self.outputs.expand else 0
-        metadata = alloc.empty((num_rows, self.outputs.num_topk + 2), torch.int32)
-        recv_rows, recv_weights, local_idx = self.outputs.allocate(alloc, num_rows, num_expanded)
-        outputs = [*recv_rows, *(t for t in (recv_weights, local_idx) if t is not None)]
-        self.launcher.launch_filled(self.variant, stream, self.receive_template.fill(
-            [*head, metadata.data_ptr(), *[t.data_ptr() for t in outputs], num_rows,
-             *([num_expanded] if self.outputs.expand else [])]))
-        # The rest (a peer's call differed, earlier sync-free errors) once the peers' records
-        # are freed.
-        self.check(-1, counts.flags)
-        extra = {"recv_src_metadata": metadata}
-        if not self.copy:
-            extra["topk_idx"] = topk_idx
-        tensors = TensorBlock(block, self.block_layout, extra)
-        handle = EPHandle(tensors, counts.per_expert, **self.handle_fields, num_recv_tokens=num_rows,
-                          num_expanded_tokens=num_expanded, backend_state=tensors,
-                          storage=tensors.storage())
-        return DispatchResult(recv_rows, local_idx, recv_weights, handle, flags_checked=True)

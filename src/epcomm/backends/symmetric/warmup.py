@@ -18,8 +18,7 @@ def warm_up(backend) -> None:
     """Launch every variant of `backend`'s kernels once: a one-rank exchange with no tokens on
     a scratch "heap" and sync tensor of its own (the counters it raises are the ones it waits
     for). The variants are the ones calls take: (topk_idx dtype, idx_out dtype), where the
-    counting pass and the expand layout pass int32 metadata as idx_out, the compact layout
-    topk_idx's dtype."""
+    expand layout passes int32 metadata as idx_out, the compact layout topk_idx's dtype."""
     K, H = backend.num_topk, backend.hidden
     dev, i32 = backend.device, torch.int32
     scratch = torch.zeros(6, dtype=torch.int64, device=dev)  # counters of one rank
@@ -41,17 +40,17 @@ def warm_up(backend) -> None:
         slots = torch.empty(0, K, dtype=i32, device=dev)
         send = dispatch_kernels.send_phase(backend.counts_scratch, backend.pos_scratch, idx, 1,
                                            None, rows, layout, slots)
-        for full, do_send in ((False, True), (True, False), (True, True)):
-            variant = dispatch_kernels.variant(idx, None, rows, idx_dtype if full else i32)
+        for compact in (True, False):  # the two variants: idx_out of idx's dtype, or none
+            variant = dispatch_kernels.variant(idx, None, rows, idx_dtype if compact else i32)
             dispatch_kernels.run(
                 backend.shape, dispatch, layout, sync, error, backend.timeout, send,
                 dispatch_kernels.receive_phase(
-                    hist, layout, full=full, max_tokens=1, num_local=1, alignment=1,
+                    hist, layout, max_tokens=1, num_local=1, alignment=1,
                     capacity=0, out_rows=0, expand=False, zero_padding=False, tail=False,
-                    idx_out=idx if full else None, weights_out=None, metadata=meta,
+                    idx_out=idx if compact else None, weights_out=None, metadata=meta,
                     rank_psum=info[0], expert_counts=info[1], expert_psum=info[2],
                     rows_out=rows),
-                do_send=do_send, variant=variant,
+                variant=variant,
                 kernel=dispatch_kernels.launcher(backend.shape, layout, backend.max_rows))
     combine_kernels.combine(backend.combine_shape, combine, backend.combine_layout, sync,
                             info[0], meta, rows[0], None, False, slots, (), rows[0], None, error,
