@@ -55,7 +55,19 @@ def run_one_all_to_all_per_direction(seed: int) -> int:
         assert len(payload) == 2, calls
         assert len(calls) - len(payload) == 2, calls
         checked += 1
-    return checked
+    # With the counts on the host (gloo), a sync-free dispatch moves exact splits: 2 tokens,
+    # both to rank 0 only, send a header row per rank and 2 records, not R blocks of M + 1 rows.
+    x = torch.ones(2, H, dtype=torch.bfloat16)
+    idx = torch.tensor([[0, 1, -1, -1], [1, -1, -1, -1]])
+    calls.clear()
+    recv_x, _, _, handle, _ = buffer.dispatch(x, idx, num_experts=4 * buffer.num_ranks,
+                                              do_cpu_sync=False)
+    assert _payload_calls(calls)[0][0] == buffer.num_ranks + 2, calls
+    assert recv_x.shape[0] == buffer.num_ranks * M  # the sync-free shapes stay the capacity
+    rows = buffer.num_ranks * 2 if buffer.rank == 0 else 0
+    assert int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) == rows
+    assert torch.equal(recv_x[:rows], torch.ones(rows, H, dtype=torch.bfloat16))
+    return checked + 1
 
 
 # Each case: what rank 1 passes differently, and the field the error must name.
@@ -228,11 +240,12 @@ def run_calls(seed: int) -> list:
 
 
 def test_calls() -> None:
-    """One payload all-to-all per direction (bitwise against the reference); each argument
-    that differs across ranks raises EPMismatchError naming it, and the ranks stay in step;
-    NaN payloads move unchanged and a NaN sum is canonical; the device-side header check."""
+    """One payload all-to-all per direction (bitwise against the reference), of exact splits
+    over gloo, sync-free calls too; each argument that differs across ranks raises
+    EPMismatchError naming it, and the ranks stay in step; NaN payloads move unchanged and a
+    NaN sum is canonical; the device-side header check."""
     names = [name for name, _, _ in MISMATCHES]
     for checked, mismatches, nan_cases, text in run_local_ranks(run_calls, 2, SEED,
                                                                 timeout_s=30):
-        assert (checked, mismatches, nan_cases) == (2, names, 4)
+        assert (checked, mismatches, nan_cases) == (3, names, 4)
         assert "out of step" in text and "first seen from rank 0" in text, text

@@ -17,7 +17,8 @@ exchanging garbage.
   from M, R, K and E, so over NCCL the call is sync-free and can be captured in a CUDA graph.
 - On a gloo group (the transport runs on the host anyway) every call, a cached dispatch too,
   exchanges and checks its headers on the host first: gloo aborts the process when the sizes
-  of an all-to-all disagree. Its waits use the buffer's
+  of an all-to-all disagree. With the counts on the host, a sync-free dispatch there (torch
+  path) moves exact splits too; its outputs keep the capacity shapes. Its waits use the buffer's
   `timeout_s`, wall-clock; CUDA tensors are staged through host memory.
 - Over NCCL only the headers in the payload are checked, on the device: ranks whose calls
   differ in a field that sets the all-to-all's size (M, the dtype) are undefined behaviour of
@@ -117,7 +118,7 @@ class _Blocks:
 
     counts: [R] int64 device, records per block; start: [R] int64 device, the header row of
     each block; rows: total rows (host int); splits: rows per block (host; exact-split calls
-    only, None for the padded blocks of M records of a sync-free call).
+    only, None for the padded blocks of M records of a sync-free call over NCCL).
     """
 
     counts: torch.Tensor
@@ -476,7 +477,7 @@ class CollectiveBackend(Backend):
             table = self._exchange_headers("dispatch (count exchange)" if sync and cached is None
                                            else "dispatch (header exchange)", rows)
         if cached is None:
-            if sync:
+            if exchange:  # the counts are on the host: exact splits, sync-free calls too
                 recv_splits = [source[_COUNT] for source in table]
                 sent = _Blocks.exact(send.send_counts, send.send_counts.tolist())
                 received = _Blocks.exact(torch.tensor(recv_splits, device=self.device),
@@ -509,12 +510,13 @@ class CollectiveBackend(Backend):
 
         if cached is not None:
             received = state.received
-        recv_rows = received.rows if sync else R * (M + 1)
+        exact = sent.splits is not None
+        recv_rows = received.rows if exact else R * (M + 1)
         recv_buf = self._workspace.rows("receive", recv_rows + 1, record.nbytes)
         recv_buf[-1].zero_()  # the zero row: rows past the valid prefix read it
         self._all_to_all("dispatch", recv_buf[:-1], send_buf,
-                         received.splits if sync else None, sent.splits)
-        if not sync:  # the record counts come with the headers
+                         received.splits if exact else None, sent.splits)
+        if not exact:  # the record counts come with the headers
             received = _Blocks.padded(recv_buf.view(torch.int64)[:-1:M + 1, _COUNT], M)
             self._flags.bitwise_or_((received.counts > M).any().int() * errors.RECEIVE_OVERFLOW)
             received.counts = received.counts.clamp(0, M)
