@@ -17,9 +17,9 @@ exchanging garbage.
   from M, R, K and E, so over NCCL the call is sync-free and can be captured in a CUDA graph.
 - On a gloo group (the transport runs on the host anyway) every call, a cached dispatch too,
   exchanges and checks its headers on the host first: gloo aborts the process when the sizes
-  of an all-to-all disagree. With the counts on the host, a sync-free dispatch there (torch
-  path) moves exact splits too; its outputs keep the capacity shapes. Its waits use the buffer's
-  `timeout_s`, wall-clock; CUDA tensors are staged through host memory.
+  of an all-to-all disagree. Its waits use the buffer's `timeout_s`, wall-clock; CUDA tensors
+  are staged through host memory. With the counts on the host, a sync-free dispatch there
+  (torch path) moves exact splits too; its outputs keep the capacity shapes.
 - Over NCCL only the headers in the payload are checked, on the device: ranks whose calls
   differ in a field that sets the all-to-all's size (M, the dtype) are undefined behaviour of
   NCCL before the flag can say so.
@@ -417,6 +417,15 @@ class CollectiveBackend(Backend):
         return torch.cat([self._seq.expand(R, 1), header.expand(R, header.shape[0]),
                           counts.view(R, 1)], dim=1)
 
+    def _dispatch_exchange(self, request: DispatchRequest) -> Optional[str]:
+        """The stage name of a dispatch's header exchange on the host, where it has one: the
+        host reads the headers where it needs the counts (a synchronizing first call) or runs
+        the transport anyway (gloo). None otherwise (NCCL, sync-free or cached: the headers
+        travel with the records and are checked on the device)."""
+        if request.do_cpu_sync and request.cached is None:
+            return "dispatch (count exchange)"
+        return "dispatch (header exchange)" if self._host_transport else None
+
     def _exchange_headers(self, stage: str, rows: torch.Tensor) -> list[list[int]]:
         """All-to-all of the header rows, read and checked on the host: each source's header
         (its count last). Raises EPMismatchError naming the field and the ranks."""
@@ -460,10 +469,7 @@ class CollectiveBackend(Backend):
         header = self._header(0, sync, E, M, request.do_expand, record.meta, has_weights)
         if self._kernels is not None and kernel_rows(request.rows, self.config.hidden):
             return self._kernels.dispatch(request, record, header)
-        # The headers go first, read on the host, where the counts are needed there (a
-        # synchronizing first call) or the transport runs on the host anyway (gloo); otherwise
-        # (NCCL: sync-free or cached) they travel with the records and are checked on the device.
-        exchange = (sync and cached is None) or self._host_transport
+        exchange = self._dispatch_exchange(request)
         if cached is not None:
             state: _CollectiveState = cached.backend_state
             send, sent = state.send, state.sent
@@ -474,8 +480,7 @@ class CollectiveBackend(Backend):
             self._flags.bitwise_or_(out_of_range.int() * errors.INVALID_EXPERT_ID)
             rows = self._header_rows(header, send.send_counts)
         if exchange:
-            table = self._exchange_headers("dispatch (count exchange)" if sync and cached is None
-                                           else "dispatch (header exchange)", rows)
+            table = self._exchange_headers(exchange, rows)
         if cached is None:
             if exchange:  # the counts are on the host: exact splits, sync-free calls too
                 recv_splits = [source[_COUNT] for source in table]

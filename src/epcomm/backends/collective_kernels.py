@@ -104,12 +104,11 @@ class KernelPath:
             idx_ptr=topk_idx, num_tokens=T, num_experts=E, num_ranks=R, counts_ptr=counts,
             flags_ptr=b._flags), ROWS=ROWS, **common)
 
-        exchange = (sync and cached is None) or b._host_transport
+        exchange = b._dispatch_exchange(request)
         bump = 1
         if exchange:
             rows = b._header_rows(header, counts.sum(0, dtype=torch.int64)[:R])
-            table = b._exchange_headers("dispatch (count exchange)" if sync and cached is None
-                                        else "dispatch (header exchange)", rows)
+            table = b._exchange_headers(exchange, rows)
             bump = 0
         if not sync:
             send_splits = recv_splits = None

@@ -6,17 +6,16 @@ Block s of a staging region is written only by rank s, so no two ranks ever writ
 bytes. Counters only grow (each of the P programs of a kernel adds 1 per call), so nothing is
 ever reset and CUDA graphs can replay calls.
 
-One call is one launch (the kernels' docstrings have the steps), two for a synchronizing
-dispatch:
+One call is one launch (the kernels' docstrings have the steps):
 - dispatch: `dispatch_kernel`, its send part (route, wait for the peers to free the previous
   call's records, push, raise ready) then its receive part (wait for ready, copy out into the
-  layout, free); a synchronizing dispatch stops the first launch after counting, sizes its
-  outputs on the host and runs the receive part in a second launch.
+  layout, free); a synchronizing dispatch is the same launch into capacity-sized outputs, then
+  one host read of its counts and exact-size views of those outputs.
 - combine: one launch, `combine_kernel` (return rows, reduced per token in the expand layout,
   then reduce what came back).
 
 Modules: `heap` (the heap and its layout), `blocks` (a dispatch's handle tensors in one
-allocation), `plans` (prepared calls: a sync-free dispatch or a combine of one call shape,
+allocation), `plans` (prepared calls: a dispatch or a combine of one call shape,
 launched from an argument template), `warmup` (every kernel variant compiled and loaded when
 the backend is made), `backend` (`SymmetricBackend`).
 

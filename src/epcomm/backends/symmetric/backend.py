@@ -222,7 +222,7 @@ class SymmetricBackend(Backend):
                              _callers(request.rows, request.topk_idx, request.topk_weights)]
                 if plan.takes(addresses):
                     return plan.run(addresses, request.topk_idx, request.alloc, request.stream)
-        R, K = self.num_ranks, self.num_topk
+        R = self.num_ranks
         E, align = request.num_experts, request.expert_alignment
         num_local = E // R
         sync, alloc, cached, stream = request.do_cpu_sync, request.alloc, request.cached, \
