@@ -46,7 +46,8 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
         bases_ptr="i64", sync_ptr="i64", rank_psum_ptr="i32", meta_ptr="i32", x_ptr="i16",
         weights_ptr="i32", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16", out_ptr="i16",
         w_out="i32", error_ptr="i32"),
-    collective.count_kernel: dict(idx_ptr="i64", counts_ptr="i32", flags_ptr="i32"),
+    collective.count_kernel: dict(idx_ptr="i64", counts_ptr="i32", flags_ptr="i32",
+                                  experts_ptr="i64"),
     collective.pack_kernel: dict(
         idx_ptr="i64", weights_ptr="fp32", counts_ptr="i32", pos_ptr="i32", slot_ptr="i32",
         send_counts_ptr="i32", idx_copy="i64", fields_ptr="i64", seq_ptr="i64"),

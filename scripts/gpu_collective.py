@@ -3,9 +3,12 @@
     PYTHONPATH=src python3 scripts/gpu_collective.py [--tokens 128 4096] [--iters 20]
 
 1. For each token count, layout and sync mode (hidden 7168, top-8, 256 experts, bf16): one
-   dispatch + combine checked bitwise against the reference; the sync-free dispatch, cached
+   dispatch + combine checked bitwise against the reference, twice on fresh data (the second
+   sync-free dispatch is a prepared call); the sync-free dispatch, cached
    dispatch and combine run again under `torch.cuda.set_sync_debug_mode("error")`; then
-   dispatch + combine are captured in a CUDA graph and replayed on new routing, checked again.
+   dispatch + combine are captured in a CUDA graph and replayed on new routing, checked again;
+   a synchronizing dispatch with an expert id of E raises `EPInputError`, and the next call is
+   correct.
 2. Timing, calls queued back to back between two CUDA events: dispatch and combine beside their
    floor from the same run, NCCL `all_to_all_single` of the bytes the call sends plus a fresh
    copy of the bytes it writes to its outputs (valid rows), and the ratio.
@@ -21,6 +24,7 @@ import torch.distributed as dist
 os.environ.setdefault("EP_AVOID_RECORD_STREAM", "1")  # graph capture must not record_stream
 
 from epcomm import Buffer  # noqa: E402
+from epcomm.errors import EPInputError  # noqa: E402
 from epcomm.bench_paths import time_us  # noqa: E402
 from epcomm.testing.launch import capture_graph, run_local_ranks  # noqa: E402
 from epcomm.testing.reference import reference_combine, reference_dispatch  # noqa: E402
@@ -64,6 +68,8 @@ def run(tokens_list: list[int], iters: int) -> list[str]:
                 label = f"{tokens} {'expand' if expand else 'compact'} " \
                         f"{'sync' if sync else 'sync-free'}"
                 _check(buffer, x, idx, w, expand, sync, label)
+                # the same call shape again on new data: a prepared call when sync-free
+                _check(buffer, *_inputs(tokens, tokens + 1), expand, sync, label + " again")
                 out = buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand,
                                       do_cpu_sync=sync)
                 if not sync:  # no host sync anywhere on the sync-free path
@@ -113,6 +119,17 @@ def run(tokens_list: list[int], iters: int) -> list[str]:
         want, _ = reference_combine(recv_x[:valid.numel()], ref, idx2, E, dist.group.WORLD)
         assert_equal("graph replay: combined_x", combined, want)
         lines.append(f"| {tokens}: sync-debug and CUDA graph replay | ok | | | | | |")
+        # An id outside [-1, E) in a synchronizing dispatch: its one host read raises it.
+        bad = idx.clone()
+        bad[0, 0] = E
+        try:
+            buffer.dispatch(x, bad, w, num_experts=E, do_cpu_sync=True)
+        except EPInputError as exc:
+            assert "outside" in str(exc), exc
+        else:
+            raise AssertionError("a synchronizing dispatch with an invalid expert id did not raise")
+        _check(buffer, x, idx, w, False, True, f"{tokens} after an invalid id")
+        lines.append(f"| {tokens}: invalid id raised, next call correct | ok | | | | | |")
         buffer.destroy()
     return lines
 

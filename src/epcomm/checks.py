@@ -238,7 +238,7 @@ def check_dispatch(config: BufferConfig, backend_num_sms: Optional[int], x, topk
         if topk_idx.shape != (num_tokens, config.num_topk):
             raise ValueError(f"topk_idx must have shape {(num_tokens, config.num_topk)}, "
                              f"got {tuple(topk_idx.shape)}")
-        if dev.type == "cpu" or do_cpu_sync:
+        if dev.type == "cpu":  # (on a GPU the kernels flag them; see docs/semantics.md)
             check_expert_ids(topk_idx, num_experts)
     if topk_weights is not None:
         check_tensor("topk_weights", topk_weights, (torch.float32,), 2, dev)

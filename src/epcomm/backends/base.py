@@ -9,6 +9,7 @@ in the backend): a later call of that shape then skips validation and the reques
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import Hashable, Optional, Protocol, Sequence
 
 import torch
@@ -139,6 +140,19 @@ class DispatchResult:
     recv_topk_weights: Optional[torch.Tensor]
     handle: EPHandle
     flags_checked: bool = False  # the call read the error flag back and raised what it held
+
+
+def caller_tensors(rows: Sequence[torch.Tensor], topk_idx: torch.Tensor,
+                   weights: Optional[torch.Tensor]) -> tuple:
+    """A dispatch's caller tensors in a prepared call's slot order (`PreparedDispatch`)."""
+    return (*rows, topk_idx) if weights is None else (*rows, topk_idx, weights)
+
+
+def empty_makers(shapes: Sequence[tuple], device: torch.device) -> list:
+    """For each `(shape, dtype)`, a call with no arguments that makes an uninitialised tensor
+    of it on `device` (`OutputAllocator.empty_all`): the size as separate ints, because
+    Python's argument parsing of `torch.empty(shape_tuple, ...)` costs 0.4 us more per call."""
+    return [partial(torch.empty, *shape, dtype=dtype, device=device) for shape, dtype in shapes]
 
 
 class PreparedDispatch(Protocol):

@@ -334,6 +334,9 @@ class CollectiveBackend(Backend):
     def error_flags(self) -> torch.Tensor:
         return self._flags
 
+    def prepared_dispatch(self, key):
+        return None if self._kernels is None else self._kernels.prepared(key)
+
     # -- transport -------------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._failure is not None:
@@ -409,13 +412,15 @@ class CollectiveBackend(Backend):
             self._headers[values] = header
         return header
 
-    def _header_rows(self, header: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """[R, _HEADER_WORDS] int64: this call's header for each destination (its record count
-        last); advances the call sequence number."""
+    def _header_rows(self, header: torch.Tensor, counts: torch.Tensor,
+                     extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+        """[R, _HEADER_WORDS + n] int64: this call's header for each destination (its record
+        count last), then the columns of `extra` ([R, n_i] int64 each: words the host exchange
+        carries after the header); advances the call sequence number."""
         self._seq.add_(1)
         R = self.num_ranks
         return torch.cat([self._seq.expand(R, 1), header.expand(R, header.shape[0]),
-                          counts.view(R, 1)], dim=1)
+                          counts.view(R, 1), *extra], dim=1)
 
     def _dispatch_exchange(self, request: DispatchRequest) -> Optional[str]:
         """The stage name of a dispatch's header exchange on the host, where it has one: the

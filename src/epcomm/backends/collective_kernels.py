@@ -4,21 +4,30 @@
 A dispatch is five launches and the all-to-all (count, pack, all-to-all, unpack, expert
 prefix, expand), a combine two and the all-to-all (pack, all-to-all, reduce); the torch path
 issues 70-190 operations per call. Sync-free calls read nothing back (capturable in a CUDA
-graph over NCCL); a synchronizing first call reads the count exchange and the per-expert counts.
+graph over NCCL); a synchronizing first call reads one thing back, its count exchange, which
+carries every size of the call (records per rank, slots per local expert) and the error flag.
+
+A sync-free dispatch over NCCL of a call shape seen before is a prepared call (`DispatchPlan`,
+`base.PreparedDispatch`): its allocations and the five launches' arguments are built once, with
+`Address` stand-ins for the tensors, by the same code as every other call's; per call it
+allocates, fills the templates and launches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence
 
 import torch
 
+from .. import errors
 from ..handle import EPHandle
 from ..kernels import INTERPRET
 from ..kernels import collective as kernels
-from ..kernels.launcher import Launcher, next_power_of_2
+from ..kernels.launcher import Address, Launcher, addresses_aligned, next_power_of_2
 from ..layout import expand_capacity
-from .base import CombineRequest, DispatchRequest, DispatchResult
+from .base import (CombineRequest, DispatchRequest, DispatchResult, caller_tensors,
+                   empty_makers, remember)
+from .collective import _HEADER_WORDS
 
 if TYPE_CHECKING:
     from .collective import CollectiveBackend, _Record
@@ -54,6 +63,103 @@ def _vec(*words: int) -> int:
     return next(v for v in (4, 2, 1) if all(w % v == 0 for w in words))
 
 
+@dataclass(frozen=True)
+class _Call:
+    """What a dispatch's launches depend on besides its tensors and sizes: its call shape.
+    Payload rows as int32 words: w0 (and w1) words per row, the second row's field at word
+    off1 of a record, the metadata at meta_off."""
+
+    num_tokens: int
+    num_topk: int
+    num_experts: int
+    max_tokens: int
+    rows: tuple[tuple[tuple, torch.dtype], ...]  # (shape past the first dim, dtype) per row
+    idx_dtype: torch.dtype
+    has_w: bool
+    w0: int
+    w1: int
+    off1: int
+    meta_off: int
+    record_words: int
+    expand: bool
+    zero_padding: bool
+    alignment: int
+    copy_idx: bool
+    sync: bool
+
+    @staticmethod
+    def of(request: DispatchRequest, record: "_Record") -> "_Call":
+        payload = [row.shape[1] * row.element_size() // 4 if row.dim() > 1 else 1
+                   for row in request.rows]
+        num_tokens, num_topk = request.topk_idx.shape
+        return _Call(num_tokens, num_topk, request.num_experts,
+                     request.num_max_tokens_per_rank,
+                     tuple((tuple(row.shape[1:]), row.dtype) for row in request.rows),
+                     request.topk_idx.dtype, request.topk_weights is not None, payload[0],
+                     payload[1] if len(payload) > 1 else 0,
+                     record.payload[1][0] // 4 if len(payload) > 1 else 0, record.meta // 4,
+                     record.nbytes // 4, request.do_expand, request.do_zero_padding,
+                     request.expert_alignment, request.copy_topk_idx, request.do_cpu_sync)
+
+    @property
+    def vec(self) -> int:
+        return _vec(self.w0, self.w1, self.off1)
+
+    @property
+    def idx_variant(self) -> tuple:
+        return self.idx_dtype, self.vec
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """A dispatch's sizes on the host: exact ones after a synchronizing call's count exchange
+    (splits: records sent to / received from each rank), else the capacity (splits None)."""
+
+    send_splits: Optional[list[int]]
+    recv_splits: Optional[list[int]]
+    num_rows: int                      # compact output rows
+    counts_list: Optional[list[int]]   # each local expert's rows aligned (exact calls)
+    num_expanded: int                  # expand output rows (0 in the compact layout)
+
+    def rows(self, splits: Optional[list[int]], num_ranks: int, max_tokens: int) -> int:
+        """Rows of one side's buffer: a header row per block, then its records."""
+        return sum(splits) + num_ranks if splits is not None else num_ranks * (max_tokens + 1)
+
+
+class DispatchPlan:
+    """A sync-free dispatch over NCCL of one call shape (`base.PreparedDispatch`). Template
+    slots: the caller's tensors (`base.caller_tensors`), then the allocations in `names`'
+    order."""
+
+    def __init__(self, path: "KernelPath", call: _Call, sizes: _Sizes,
+                 allocations: Sequence[tuple[str, tuple, torch.dtype, bool]], launches: list,
+                 ) -> None:
+        self.path, self.call, self.sizes = path, call, sizes
+        self.names = [name for name, *_ in allocations]
+        self.shapes = [(shape, dtype) for _, shape, dtype, _ in allocations]
+        self._makers = empty_makers(self.shapes, path.backend.device)
+        self.launches = launches  # (launcher, variant, ArgTemplate): count, pack, the rest
+
+    def takes(self, addresses: Sequence[int]) -> bool:
+        """Each address 16-byte aligned, and every kernel still kept."""
+        return addresses_aligned(addresses) and all(
+            launcher.kept(variant) for launcher, variant, _ in self.launches)
+
+    def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
+            stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
+        self.path.backend._check_usable()
+        tensors = alloc.empty_all(self.shapes, self._makers)
+        values = [*addresses, *[tensor.data_ptr() for tensor in tensors]]
+        t = dict(zip(self.names, tensors))
+        for at, (launcher, variant, template) in enumerate(self.launches):
+            if at == 2:  # after count and pack
+                self.path.all_to_all_on(stream, "dispatch", t["recv"], t["send"], None, None)
+            launcher.launch_filled(variant, stream, template.fill(values))
+        if not self.call.copy_idx:
+            t["idx_copy"] = topk_idx
+        return self.path.result(self.call, self.sizes, t, None, False)
+
+
 class KernelPath:
     """Launches the collective kernels for `backend` (its transport, header and flags)."""
 
@@ -67,171 +173,278 @@ class KernelPath:
             rows = config.num_ranks * config.num_max_tokens_per_rank
             self.programs = max(1, min(-(-rows // _ROWS_PER_PROGRAM), 2 * sms))
         self.launchers: dict = {}
+        self.plans: dict = {}
+        # stands in for the weights of a call without them (the kernels do not read it)
+        self.no_weights = torch.empty(1, dtype=torch.float32, device=config.device)
 
-    def _launch(self, fn, variant, fields: dict, **constants) -> None:
+    def _launcher(self, fn, **constants) -> Launcher:
         constants.setdefault("num_warps", NUM_WARPS)
         key = (fn.__name__, *constants.values())
         launcher = self.launchers.get(key)
         if launcher is None:
             launcher = self.launchers[key] = Launcher(fn, self.programs, constants)
-        launcher(variant, None, fields)
+        return launcher
+
+    def _launch(self, fn, variant, fields: dict, **constants) -> None:
+        self._launcher(fn, **constants)(variant, None, fields)
+
+    def all_to_all_on(self, stream: Optional["torch.cuda.Stream"], stage: str,
+                      out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
+        """The backend's all-to-all, issued from `stream` (None: the current stream)."""
+        b = self.backend
+        if stream is None or stream.cuda_stream == \
+                torch.cuda.current_stream(b.device).cuda_stream:
+            b._all_to_all(stage, out, inp, out_splits, in_splits)
+        else:
+            with torch.cuda.stream(stream):
+                b._all_to_all(stage, out, inp, out_splits, in_splits)
 
     # -- dispatch --------------------------------------------------------------------------
+    def prepared(self, key: Hashable) -> Optional[DispatchPlan]:
+        return self.plans.get(key)
+
+    def _preparable(self, request: DispatchRequest) -> bool:
+        """A sync-free call without a handle over NCCL (no host exchange), with a call key."""
+        return request.key is not None and request.cached is None and \
+            self.backend._dispatch_exchange(request) is None and not INTERPRET
+
+    def _allocations(self, call: _Call, sizes: _Sizes) -> list[tuple[str, tuple, torch.dtype,
+                                                                      bool]]:
+        """(name, shape, dtype, output) of every tensor a dispatch allocates after its count
+        (scratch unless `output`)."""
+        b = self.backend
+        R, M, T, K = b.num_ranks, call.max_tokens, call.num_tokens, call.num_topk
+        num_local = call.num_experts // R
+        nbytes = call.record_words * 4
+        i32 = torch.int32
+        out = [("send", (sizes.rows(sizes.send_splits, R, M), nbytes), torch.uint8, False),
+               ("recv", (sizes.rows(sizes.recv_splits, R, M), nbytes), torch.uint8, False),
+               ("pos", (T, R), i32, True), ("slot", (T, K), i32, True),
+               ("send_counts", (R,), i32, True),
+               ("metadata", (sizes.num_rows, K + 2), i32, True),
+               ("rank_psum", (R,), i32, True), ("expert_counts", (num_local,), i32, True),
+               ("expert_psum", (num_local,), i32, True),
+               ("hist", (self.programs, max(num_local, 1)), i32, False)]
+        if call.copy_idx:
+            out.append(("idx_copy", (T, K), call.idx_dtype, True))
+        rows = sizes.num_expanded if call.expand else sizes.num_rows
+        out += [(f"out{i}", (rows, *shape), dtype, True) for i, (shape, dtype)
+                in enumerate(call.rows)]
+        if not call.expand:
+            out.append(("recv_idx", (rows, K), call.idx_dtype, True))
+        if call.has_w:
+            out.append(("recv_w", (rows, K) if not call.expand else (rows,), torch.float32,
+                        True))
+        return out
+
+    def _count_launch(self, call: _Call, t: dict, per_expert: bool) -> tuple:
+        b = self.backend
+        return self._launcher(kernels.count_kernel, ROWS=ROWS, **self._common(call)), \
+            call.idx_variant, dict(
+                idx_ptr=t["idx"], num_tokens=call.num_tokens, num_experts=call.num_experts,
+                num_ranks=b.num_ranks, counts_ptr=t["counts"], flags_ptr=b._flags,
+                experts_ptr=t["experts"], per_expert=int(per_expert))
+
+    def _common(self, call: _Call) -> dict:
+        return dict(K=call.num_topk, BLOCK_K=next_power_of_2(call.num_topk),
+                    BLOCK_R=next_power_of_2(self.backend.num_ranks))
+
+    def _launches(self, call: _Call, sizes: _Sizes, t: dict, header: torch.Tensor,
+                  exchanged: bool) -> list[tuple]:
+        """(launcher, variant, fields) of pack, unpack, expert prefix and expand, with the
+        tensors (or stand-ins) of `t`."""
+        b = self.backend
+        R, M, K, E = b.num_ranks, call.max_tokens, call.num_topk, call.num_experts
+        num_local = E // R
+        vec, common, exact = call.vec, self._common(call), int(sizes.send_splits is not None)
+        block_p = max(2, next_power_of_2(self.programs))
+        block_e = next_power_of_2(max(num_local, 1))
+        pack = self._launcher(kernels.pack_kernel, BLOCK_P=block_p, BLOCK_F=kernels.BLOCK_F,
+                              ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), \
+            call.idx_variant, dict(
+                idx_ptr=t["idx"], weights_ptr=t["weights"], has_w=int(call.has_w),
+                num_tokens=call.num_tokens, num_experts=E, num_ranks=R, rank=b.rank,
+                max_tokens=M, counts_ptr=t["counts"], send_addr=t["send"].data_ptr(),
+                record_words=call.record_words, p0_addr=t["p0"].data_ptr(), w0=call.w0,
+                p1_addr=t["p1"].data_ptr(), w1=call.w1, off1=call.off1,
+                meta_off=call.meta_off, pos_ptr=t["pos"], slot_ptr=t["slot"],
+                send_counts_ptr=t["send_counts"], idx_copy=t["idx_copy"],
+                copy_idx=int(call.copy_idx), fields_ptr=header, seq_ptr=b._seq,
+                bump=int(not exchanged), exact=exact)
+        o0 = t.get("out0", t["p0"]) if not call.expand else t["p0"]
+        o1 = t.get("out1", o0) if not call.expand else o0
+        layout = dict(recv_addr=t["recv"].data_ptr(), record_words=call.record_words,
+                      num_ranks=R, max_tokens=M, exact=exact, num_rows=sizes.num_rows,
+                      num_local=num_local, w0=call.w0, w1=call.w1, off1=call.off1,
+                      meta_off=call.meta_off, expand=int(call.expand),
+                      zero_padding=int(call.zero_padding), has_w=int(call.has_w),
+                      meta_out=t["metadata"], flags_ptr=b._flags)
+        compact_w = t["recv_w"] if call.has_w and not call.expand else t["weights"]
+        unpack = self._launcher(kernels.unpack_kernel, BLOCK_M=next_power_of_2(K + 2),
+                                BLOCK_E=min(block_e, 1024), BLOCK_F=kernels.BLOCK_F,
+                                ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), \
+            call.idx_variant, dict(
+                layout, rank=b.rank, counts_ptr=t["exact_counts"], rank_psum_out=t["rank_psum"],
+                p0_out=o0.data_ptr(), p1_out=o1.data_ptr(),
+                idx_out=t["recv_idx"] if not call.expand else t["idx"], w_out=compact_w,
+                hist_ptr=t["hist"], check=int(not exchanged), fields_ptr=header,
+                seq_ptr=b._seq)
+        prefix = self._launcher(kernels.expert_prefix_kernel, BLOCK_P=block_p), (), dict(
+            hist_ptr=t["hist"], num_local=num_local, expert_counts_out=t["expert_counts"])
+        e0 = t["out0"] if call.expand else o0
+        e1 = t.get("out1", e0) if call.expand else o1
+        bound = sizes.num_expanded if call.expand else \
+            sizes.num_rows * K + call.alignment * num_local
+        expand = self._launcher(kernels.expand_kernel, BLOCK_E=block_e, GROUP=GROUP,
+                                ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, K=K,
+                                BLOCK_K=next_power_of_2(K),
+                                BLOCK_R=next_power_of_2(R)), vec, dict(
+            layout, rank_psum=t["rank_psum"], alignment=call.alignment, capacity=bound,
+            expert_counts=t["expert_counts"], expert_psum_out=t["expert_psum"],
+            p0_out=e0.data_ptr(), p1_out=e1.data_ptr(),
+            w_out=t["recv_w"] if call.has_w and call.expand else t["weights"],
+            hist_ptr=t["hist"])
+        return [pack, unpack, prefix, expand]
+
+    def _sizes(self, call: _Call, request: DispatchRequest,
+               table: Optional[list[list[int]]]) -> tuple[_Sizes, int]:
+        """The call's sizes, and the error flag its count exchange carried (0 if none)."""
+        b = self.backend
+        R, M = b.num_ranks, call.max_tokens
+        num_local = call.num_experts // R
+        cached, flags = request.cached, 0
+        send_splits = recv_splits = counts_list = None
+        if cached is not None:
+            state: KernelState = cached.backend_state
+            if call.sync:
+                send_splits, recv_splits = state.send_splits, state.recv_splits
+            counts_list = cached.num_recv_tokens_per_expert_list
+            num_expanded = cached.num_expanded_tokens if call.expand else 0
+        elif call.sync:
+            # After the header: this rank's error flag and its records for every rank (each
+            # rank reads its own in the row it sent itself), then the slots sent to each of
+            # the receiver's local experts.
+            at, me = _HEADER_WORDS, b.rank
+            flags = table[me][at]
+            send_splits = table[me][at + 1:at + 1 + R]
+            recv_splits = [source[at - 1] for source in table]
+            slots = [sum(column) for column in zip(*(source[at + 1 + R:] for source in table))]
+            counts_list = [-(-n // call.alignment) * call.alignment for n in slots]
+            num_expanded = sum(counts_list) if call.expand else 0
+        else:
+            num_expanded = expand_capacity(R, M, call.num_topk, num_local, call.alignment) \
+                if call.expand else 0
+        num_rows = sum(recv_splits) if recv_splits is not None else R * M
+        return _Sizes(send_splits, recv_splits, num_rows, counts_list, num_expanded), flags
+
     def dispatch(self, request: DispatchRequest, record: "_Record",
                  header: torch.Tensor) -> DispatchResult:
         b = self.backend
-        R, me, M, E = b.num_ranks, b.rank, request.num_max_tokens_per_rank, request.num_experts
-        topk_idx, weights = request.topk_idx, request.topk_weights
-        T, K = topk_idx.shape
-        num_local = E // R
-        sync, cached, alloc = request.do_cpu_sync, request.cached, request.alloc
-        device = b.device
-        P = self.programs
-        block_r = next_power_of_2(R)
-        has_w = weights is not None
-        w_in = weights if has_w else torch.empty(1, dtype=torch.float32, device=device)
-        payload = [row.shape[1] * row.element_size() // 4 if row.dim() > 1 else 1
-                   for row in request.rows]
-        w0, w1 = payload[0], payload[1] if len(payload) > 1 else 0
-        off1 = record.payload[1][0] // 4 if len(payload) > 1 else 0
-        meta_off = record.meta // 4
-        vec = _vec(w0, w1, off1)
-        common = dict(K=K, BLOCK_K=next_power_of_2(K), BLOCK_R=block_r)
-        idx_variant = (topk_idx.dtype, vec)
-
-        counts = b._workspace.tensor("counts", (P, block_r), torch.int32)
-        self._launch(kernels.count_kernel, idx_variant, dict(
-            idx_ptr=topk_idx, num_tokens=T, num_experts=E, num_ranks=R, counts_ptr=counts,
-            flags_ptr=b._flags), ROWS=ROWS, **common)
-
+        call = _Call.of(request, record)
+        if self._preparable(request):
+            plan = self.plans.get(request.key) or self._prepare(request, call, header)
+            if plan is not None:
+                addresses = [tensor.data_ptr() for tensor in caller_tensors(
+                    request.rows, request.topk_idx, request.topk_weights)]
+                if plan.takes(addresses):
+                    return plan.run(addresses, request.topk_idx, request.alloc, request.stream)
+        R = b.num_ranks
+        rows, topk_idx = request.rows, request.topk_idx
+        t = dict(idx=topk_idx, p0=rows[0], p1=rows[-1],
+                 weights=request.topk_weights if call.has_w else self.no_weights,
+                 counts=b._workspace.tensor("counts", (self.programs, next_power_of_2(R)),
+                                            torch.int32))
         exchange = b._dispatch_exchange(request)
-        bump = 1
+        sizes_read = call.sync and request.cached is None  # one host read gives every size
+        t["experts"] = torch.zeros(call.num_experts, dtype=torch.int64, device=b.device) \
+            if sizes_read else b._seq
+        launcher, variant, fields = self._count_launch(call, t, sizes_read)
+        launcher(variant, None, fields)
+        table = None
         if exchange:
-            rows = b._header_rows(header, counts.sum(0, dtype=torch.int64)[:R])
-            table = b._exchange_headers(exchange, rows)
-            bump = 0
-        if not sync:
-            send_splits = recv_splits = None
-        elif cached is not None:
-            send_splits, recv_splits = cached.backend_state.send_splits, \
-                cached.backend_state.recv_splits
-        else:
-            send_splits = [int(n) for n in rows[:, -1].tolist()]
-            recv_splits = [int(source[-1]) for source in table]
+            sends = t["counts"].sum(0, dtype=torch.int64)[:R]
+            extra = (b._flags.long().expand(R, 1), sends.expand(R, R),
+                     t["experts"].view(R, call.num_experts // R)) if sizes_read else ()
+            table = b._exchange_headers(exchange, b._header_rows(header, sends, extra))
+        sizes, flags = self._sizes(call, request, table)
+        for name, shape, dtype, output in self._allocations(call, sizes):
+            t[name] = request.alloc.empty(shape, dtype) if output else \
+                b._workspace.tensor(name, shape, dtype)
+        if not call.copy_idx:
+            t["idx_copy"] = topk_idx
+        t["exact_counts"] = t["send_counts"] if sizes.recv_splits is None else \
+            torch.tensor(sizes.recv_splits, dtype=torch.int32, device=b.device)
+        pack, *rest = self._launches(call, sizes, t, header, bool(exchange))
+        pack[0](pack[1], None, pack[2])
+        b._all_to_all("dispatch", t["recv"], t["send"],
+                      None if sizes.recv_splits is None else [n + 1 for n in sizes.recv_splits],
+                      None if sizes.send_splits is None else [n + 1 for n in sizes.send_splits])
+        for launcher, variant, fields in rest:
+            launcher(variant, None, fields)
+        if flags:  # (after the call: every rank finishes it, as its peers do)
+            b._flags.bitwise_and_(~flags)
+            raise errors.flags_error(flags, f"rank {b.rank}: dispatch", b.config.timeout_s)
+        return self.result(call, sizes, t, request.cached, sizes_read)
 
-        send_rows = sum(send_splits) + R if sync else R * (M + 1)
-        send_buf = b._workspace.rows("send", send_rows, record.nbytes)
-        pos = torch.empty(T, R, dtype=torch.int32, device=device)
-        slot = torch.empty(T, K, dtype=torch.int32, device=device)
-        send_counts = torch.empty(R, dtype=torch.int32, device=device)
-        idx_copy = alloc.empty((T, K), topk_idx.dtype) if request.copy_topk_idx else topk_idx
-        p0 = request.rows[0]
-        p1 = request.rows[1] if len(request.rows) > 1 else p0
-        self._launch(kernels.pack_kernel, idx_variant, dict(
-            idx_ptr=topk_idx, weights_ptr=w_in, has_w=int(has_w), num_tokens=T, num_experts=E,
-            num_ranks=R, rank=me, max_tokens=M, counts_ptr=counts, send_addr=send_buf.data_ptr(),
-            record_words=record.nbytes // 4, p0_addr=p0.data_ptr(), w0=w0,
-            p1_addr=p1.data_ptr(), w1=w1, off1=off1, meta_off=meta_off, pos_ptr=pos,
-            slot_ptr=slot, send_counts_ptr=send_counts, idx_copy=idx_copy,
-            copy_idx=int(request.copy_topk_idx), fields_ptr=header, seq_ptr=b._seq, bump=bump,
-            exact=int(sync)), BLOCK_P=max(2, next_power_of_2(P)),
-            BLOCK_F=kernels.BLOCK_F, ROWS=ROWS, VEC=vec,
-            BLOCK_W=BLOCK_W, **common)
+    def _prepare(self, request: DispatchRequest, call: _Call,
+                 header: torch.Tensor) -> Optional[DispatchPlan]:
+        """The plan of this call shape (`DispatchPlan`), None while a kernel is not kept (the
+        first call compiles them)."""
+        b = self.backend
+        sizes, _ = self._sizes(call, request, None)
+        callers = caller_tensors(request.rows, request.topk_idx, request.topk_weights)
+        slots = {id(tensor): Address(at) for at, tensor in enumerate(callers)}
+        allocations = [("counts", (self.programs, next_power_of_2(b.num_ranks)), torch.int32,
+                        False), *self._allocations(call, sizes)]
+        t = {name: Address(len(callers) + at) for at, (name, *_) in enumerate(allocations)}
+        t.update(idx=slots[id(request.topk_idx)], p0=slots[id(request.rows[0])],
+                 p1=slots[id(request.rows[-1])], experts=b._seq,
+                 weights=slots[id(request.topk_weights)] if call.has_w else self.no_weights)
+        t.setdefault("idx_copy", t["idx"])
+        t["exact_counts"] = t["send_counts"]
+        launches = [self._count_launch(call, t, False),
+                    *self._launches(call, sizes, t, header, False)]
+        if not all(launcher.kept(variant) for launcher, variant, _ in launches):
+            return None
+        plan = DispatchPlan(self, call, sizes, allocations, [
+            (launcher, variant, launcher.template(fields, 0))
+            for launcher, variant, fields in launches])
+        remember(self.plans, request.key, plan)
+        return plan
 
-        recv_rows = sum(recv_splits) + R if sync else R * (M + 1)
-        recv_buf = b._workspace.rows("receive", recv_rows, record.nbytes)
-        b._all_to_all("dispatch", recv_buf, send_buf,
-                      [n + 1 for n in recv_splits] if sync else None,
-                      [n + 1 for n in send_splits] if sync else None)
-
-        num_rows = sum(recv_splits) if sync else R * M
-        exact_counts = torch.tensor(recv_splits, dtype=torch.int32, device=device) if sync \
-            else send_counts  # (padded blocks: the kernels read the headers instead)
-        metadata = alloc.empty((num_rows, K + 2), torch.int32)
-        rank_psum = alloc.empty((R,), torch.int32)
-        expert_counts = alloc.empty((num_local,), torch.int32)
-        expert_psum = alloc.empty((num_local,), torch.int32)
-        hist = b._workspace.tensor("hist", (P, max(num_local, 1)), torch.int32)
-        expand = request.do_expand
-        recv_topk_idx = recv_weights = None
-        if expand:
-            outputs = []
-        else:
-            outputs = [alloc.empty((num_rows, *row.shape[1:]), row.dtype) for row in request.rows]
-            recv_topk_idx = alloc.empty((num_rows, K), topk_idx.dtype)
-            if has_w:
-                recv_weights = alloc.empty((num_rows, K), torch.float32)
-        o0 = outputs[0] if outputs else p0
-        o1 = outputs[1] if len(outputs) > 1 else o0
-        layout = dict(recv_addr=recv_buf.data_ptr(), record_words=record.nbytes // 4,
-                      num_ranks=R, max_tokens=M, exact=int(sync), num_rows=num_rows,
-                      num_local=num_local, w0=w0, w1=w1, off1=off1, meta_off=meta_off,
-                      expand=int(expand), zero_padding=int(request.do_zero_padding),
-                      has_w=int(has_w), meta_out=metadata, flags_ptr=b._flags)
-        block_e = next_power_of_2(max(num_local, 1))
-        self._launch(kernels.unpack_kernel, idx_variant, dict(
-            layout, rank=me, counts_ptr=exact_counts, rank_psum_out=rank_psum,
-            p0_out=o0.data_ptr(), p1_out=o1.data_ptr(),
-            idx_out=recv_topk_idx if recv_topk_idx is not None else topk_idx,
-            w_out=recv_weights if recv_weights is not None else w_in, hist_ptr=hist,
-            check=int(not exchange), fields_ptr=header, seq_ptr=b._seq),
-            BLOCK_M=next_power_of_2(K + 2), BLOCK_E=min(block_e, 1024),
-            BLOCK_F=kernels.BLOCK_F, ROWS=ROWS, VEC=vec,
-            BLOCK_W=BLOCK_W, **common)
-        self._launch(kernels.expert_prefix_kernel, None, dict(
-            hist_ptr=hist, num_local=num_local, expert_counts_out=expert_counts),
-            BLOCK_P=max(2, next_power_of_2(P)))
-
-        counts_list = None
+    def result(self, call: _Call, sizes: _Sizes, t: dict, cached, flags_checked: bool,
+               ) -> DispatchResult:
+        """The dispatch's outputs and handle from its tensors `t`."""
+        b = self.backend
+        outputs = [t[f"out{i}"] for i in range(len(call.rows))]
+        recv_idx = None if call.expand else t["recv_idx"]
+        recv_w = t["recv_w"] if call.has_w else None
         if cached is not None:
-            capacity = cached.num_expanded_tokens if expand else 0
-            counts_list = cached.num_recv_tokens_per_expert_list
-        elif sync:
-            alignment = request.expert_alignment
-            counts_list = [-(-n // alignment) * alignment for n in expert_counts.tolist()]
-            capacity = sum(counts_list) if expand else 0
-        else:
-            capacity = expand_capacity(R, M, K, num_local, request.expert_alignment) \
-                if expand else 0
-        bound = capacity if expand else num_rows * K + request.expert_alignment * num_local
-        if expand:
-            outputs = [alloc.empty((capacity, *row.shape[1:]), row.dtype) for row in request.rows]
-            if has_w:
-                recv_weights = alloc.empty((capacity,), torch.float32)
-            o0 = outputs[0]
-            o1 = outputs[1] if len(outputs) > 1 else o0
-        self._launch(kernels.expand_kernel, vec, dict(
-            layout, rank_psum=rank_psum, alignment=request.expert_alignment, capacity=bound,
-            expert_counts=expert_counts, expert_psum_out=expert_psum, p0_out=o0.data_ptr(),
-            p1_out=o1.data_ptr(), w_out=recv_weights if recv_weights is not None else w_in,
-            hist_ptr=hist), BLOCK_E=block_e, GROUP=GROUP, ROWS=ROWS, VEC=vec,
-            BLOCK_W=BLOCK_W, K=K, BLOCK_K=next_power_of_2(K), BLOCK_R=block_r)
-
-        if cached is not None:
-            return DispatchResult(outputs, recv_topk_idx, recv_weights, cached)
+            return DispatchResult(outputs, recv_idx, recv_w, cached)
         handle = EPHandle(
             tensors=dict(
-                psum_num_recv_tokens_per_scaleup_rank=rank_psum,
-                psum_num_recv_tokens_per_expert=expert_psum,
-                num_unaligned_recv_tokens_per_expert=expert_counts,
-                recv_src_metadata=metadata,
-                topk_idx=idx_copy,
-                dst_buffer_slot_idx=slot),
-            num_recv_tokens_per_expert_list=counts_list,
-            num_experts=E,
-            expert_alignment=request.expert_alignment,
-            num_max_tokens_per_rank=M,
-            do_expand=expand,
-            do_cpu_sync=sync,
-            num_recv_tokens=num_rows,
-            num_expanded_tokens=capacity,
+                psum_num_recv_tokens_per_scaleup_rank=t["rank_psum"],
+                psum_num_recv_tokens_per_expert=t["expert_psum"],
+                num_unaligned_recv_tokens_per_expert=t["expert_counts"],
+                recv_src_metadata=t["metadata"],
+                topk_idx=t["idx_copy"],
+                dst_buffer_slot_idx=t["slot"]),
+            num_recv_tokens_per_expert_list=sizes.counts_list,
+            num_experts=call.num_experts,
+            expert_alignment=call.alignment,
+            num_max_tokens_per_rank=call.max_tokens,
+            do_expand=call.expand,
+            do_cpu_sync=call.sync,
+            num_recv_tokens=sizes.num_rows,
+            num_expanded_tokens=sizes.num_expanded,
             buffer_id=b.config.buffer_id,
-            num_tokens=T,
+            num_tokens=call.num_tokens,
             hidden=b.config.hidden,
-            backend_state=KernelState(pos, send_counts, send_splits, recv_splits),
+            backend_state=KernelState(t["pos"], t["send_counts"], sizes.send_splits,
+                                      sizes.recv_splits),
             num_sms=b.config.num_sms or 0,
         )
-        return DispatchResult(outputs, recv_topk_idx, recv_weights, handle)
+        return DispatchResult(outputs, recv_idx, recv_w, handle, flags_checked=flags_checked)
 
     # -- combine ---------------------------------------------------------------------------
     def combine(self, request: CombineRequest, record: "_Record", header: torch.Tensor,
@@ -259,7 +472,7 @@ class KernelPath:
             bump = 1
         back_rows = sum(state.recv_splits) + R if sync else R * (M + 1)
         send_buf = b._workspace.rows("send", back_rows, record.nbytes)
-        w_in = weights if has_w else torch.empty(1, dtype=torch.float32, device=b.device)
+        w_in = weights if has_w else self.no_weights
         self._launch(kernels.combine_pack_kernel, vec, dict(
             x_addr=x.data_ptr(), hidden=H, num_ranks=R, max_tokens=M, exact=int(sync),
             rank_psum=handle.tensors["psum_num_recv_tokens_per_scaleup_rank"],

@@ -10,6 +10,8 @@ per dispatch, each a launch of 20-25 us of host time).
 Dispatch (every kernel on the same P programs; a program's tokens or rows are one contiguous
 chunk, `program_chunk`):
 1. `count_kernel`: tokens per destination of each program's chunk; ids outside [-1, E) flag.
+   For a synchronizing call also the slots per expert, which travel in the count exchange
+   (the host then knows every size of the call after that one read).
 2. `pack_kernel`: each token's position per destination (earlier programs' counts, then token
    order: deterministic), the records and, by program 0, every block's header (the call's
    sequence number advanced on the device). Also the handle's `dst_buffer_slot_idx`.
@@ -140,11 +142,13 @@ def _zero_masked(addr, rows, mask, num_words, VEC: tl.constexpr, BLOCK_W: tl.con
                  mask=mask[:, None] & columns(offs, num_words, VEC)[None, :])
 
 
-@_kernel("idx_ptr counts_ptr flags_ptr")
+@_kernel("idx_ptr counts_ptr flags_ptr experts_ptr")
 def count_kernel(idx_ptr, num_tokens, num_experts, num_ranks, counts_ptr, flags_ptr,
-                 K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ROWS: tl.constexpr):
-    """counts[p, r]: tokens of program p's chunk that go to rank r ([P, BLOCK_R] int32)."""
+                 experts_ptr, per_expert, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 BLOCK_R: tl.constexpr, ROWS: tl.constexpr):
+    """counts[p, r]: tokens of program p's chunk that go to rank r ([P, BLOCK_R] int32). With
+    `per_expert`: also adds each valid slot to experts[e] ([E] int64, zeroed by the caller;
+    integer atomics, so the sums do not depend on their order)."""
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     begin, end = program_chunk(num_tokens)
@@ -152,10 +156,13 @@ def count_kernel(idx_ptr, num_tokens, num_experts, num_ranks, counts_ptr, flags_
     bad = tl.full([], 0, tl.int32)
     for t0 in range(begin, end, ROWS):
         tt = t0 + tl.arange(0, ROWS)
-        _, _, sent, bad_ids = _destinations(idx_ptr, tt, tt < end, num_experts, num_ranks, rr,
-                                            K, BLOCK_K)
+        ids, _, sent, bad_ids = _destinations(idx_ptr, tt, tt < end, num_experts, num_ranks,
+                                              rr, K, BLOCK_K)
         sent_here += total(sent)
         bad += bad_ids
+        if per_expert != 0:
+            tl.atomic_add(experts_ptr + ids, tl.full(ids.shape, 1, tl.int64), mask=ids >= 0,
+                          sem="relaxed", scope="gpu")
     tl.store(counts_ptr + pid * BLOCK_R + rr, sent_here)
     if bad > 0:
         tl.atomic_or(flags_ptr, INVALID_EXPERT_ID)

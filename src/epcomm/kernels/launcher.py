@@ -28,6 +28,7 @@ pointer an int, one C-level pick instead of the builders' Python.
 from __future__ import annotations
 
 import operator
+from functools import reduce
 from dataclasses import dataclass, field
 from typing import Hashable, Mapping, Optional, Sequence
 
@@ -267,6 +268,11 @@ def next_power_of_2(n: int) -> int:
     """The least power of two >= n (>= 1); `triton.next_power_of_2` costs microseconds of
     host time per call in Triton 3.6."""
     return 1 << max(0, n - 1).bit_length()
+
+
+def addresses_aligned(addresses: Sequence[int]) -> bool:
+    """Each address 16-byte aligned (what kept kernels are specialized on)."""
+    return not reduce(operator.or_, addresses, 0) % 16
 
 
 def aligned(*tensors: Optional[torch.Tensor]) -> bool:

@@ -19,7 +19,7 @@ from ...kernels.launcher import Address, KernelShape, Launcher, Stage, next_powe
 from ...kernels.sync import timeout_units
 from ...layout import align_up, expand_capacity
 from ..base import (Backend, BufferConfig, CombineRequest, DispatchRequest, DispatchResult,
-                    remember)
+                    caller_tensors, remember)
 from .blocks import BlockLayout, TensorBlock
 from .heap import SymmetricHeap, all_gather_objects, heap_layout, heap_reachable
 from .heap import payload_words as hidden_payload_words
@@ -75,11 +75,6 @@ def _vector_words(words: list[int], widest: int) -> int:
     while any(w % vec for w in words):
         vec //= 2
     return vec
-
-
-def _callers(rows, topk_idx: torch.Tensor, weights: Optional[torch.Tensor]) -> tuple:
-    """A dispatch's caller tensors in a prepared call's slot order."""
-    return (*rows, topk_idx) if weights is None else (*rows, topk_idx, weights)
 
 
 class SymmetricBackend(Backend):
@@ -219,7 +214,7 @@ class SymmetricBackend(Backend):
                     remember(self._prepared, request.key, plan)
             if plan is not None:
                 addresses = [tensor.data_ptr() for tensor in
-                             _callers(request.rows, request.topk_idx, request.topk_weights)]
+                             caller_tensors(request.rows, request.topk_idx, request.topk_weights)]
                 if plan.takes(addresses):
                     return plan.run(addresses, request.topk_idx, request.alloc, request.stream)
         R = self.num_ranks

@@ -7,16 +7,14 @@ outputs' addresses and launches: no argument builders, no views, every pointer a
 from __future__ import annotations
 
 import contextlib
-import operator
 from dataclasses import dataclass
-from functools import partial, reduce
 from typing import Callable, Hashable, Optional, Sequence
 
 import torch
 
 from ...handle import EPHandle
-from ...kernels.launcher import ArgTemplate, Launcher
-from ..base import DispatchResult, OutputAllocator
+from ...kernels.launcher import ArgTemplate, Launcher, addresses_aligned
+from ..base import DispatchResult, OutputAllocator, empty_makers
 from .blocks import BlockLayout, TensorBlock
 
 
@@ -120,17 +118,6 @@ class Counts:
     flags: int
 
 
-def _aligned(addresses: Sequence[int]) -> bool:
-    """Each address 16-byte aligned (what the kept kernels were specialized on)."""
-    return not reduce(operator.or_, addresses) % 16
-
-
-def _makers(shapes: Sequence[tuple], device: torch.device) -> list:
-    # Each allocation as one bound call, with its size as separate ints: Python's argument
-    # parsing of `torch.empty(shape_tuple, ...)` costs 0.4 us more per call.
-    return [partial(torch.empty, *shape, dtype=dtype, device=device) for shape, dtype in shapes]
-
-
 class DispatchPlan:
     """A dispatch of one call shape (`base.PreparedDispatch`), made with capacity-sized outputs.
     Template slots, in order: the caller's payload rows, topk_idx, weights (if any); the
@@ -155,12 +142,12 @@ class DispatchPlan:
         if outputs.idx is not None:
             self.idx_at = len(self.allocations)
             self.allocations.append(outputs.idx)
-        self._makers = _makers(self.allocations, device)
+        self._makers = empty_makers(self.allocations, device)
 
     def takes(self, addresses: Sequence[int]) -> bool:
         """Each address 16-byte aligned, and the kernel still kept (the compiled launcher
         never rejected a launch)."""
-        return _aligned(addresses) and self.launcher.kept(self.variant)
+        return addresses_aligned(addresses) and self.launcher.kept(self.variant)
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc: OutputAllocator,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -188,7 +175,7 @@ class CombinePlan:
                  template: ArgTemplate, device: torch.device) -> None:
         self.launcher, self.variant, self.template = launcher, variant, template
         self.allocations = list(outputs)
-        self._makers = _makers(self.allocations, device)
+        self._makers = empty_makers(self.allocations, device)
 
     def run(self, block: TensorBlock, x: torch.Tensor, weights: Optional[torch.Tensor],
             biases: Sequence[torch.Tensor], alloc: OutputAllocator,
