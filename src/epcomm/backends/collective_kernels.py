@@ -149,12 +149,13 @@ class DispatchPlan:
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
         self.path.backend._check_usable()
         tensors = alloc.empty_all(self.shapes, self._makers)
+        # (each template takes the slots up to its last one)
         values = [*addresses, *[tensor.data_ptr() for tensor in tensors]]
         t = dict(zip(self.names, tensors))
         for at, (launcher, variant, template) in enumerate(self.launches):
             if at == 2:  # after count and pack
                 self.path.all_to_all_on(stream, "dispatch", t["recv"], t["send"], None, None)
-            launcher.launch_filled(variant, stream, template.fill(values))
+            launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         if not self.call.copy_idx:
             t["idx_copy"] = topk_idx
         return self.path.result(self.call, self.sizes, t, None, False)
