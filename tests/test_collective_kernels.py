@@ -7,6 +7,7 @@ import os
 import time
 
 import pytest
+import torch
 import torch.distributed as dist
 
 pytest.importorskip("triton")
@@ -36,3 +37,68 @@ def run_kernel_path(seed: int) -> int:
 @pytest.mark.parametrize("num_ranks", [1, 3])
 def test_kernel_path(num_ranks: int) -> None:
     assert run_local_ranks(run_kernel_path, num_ranks, SEED) == [4] * num_ranks
+
+
+def run_prepared_dispatch(seed: int) -> int:
+    """Sync-free dispatches of one call shape after the first are prepared calls
+    (`collective_kernels.DispatchPlan`: templates filled with the call's addresses). Run here
+    under the interpreter: each filled launch has its int addresses mapped back to the tensors
+    they belong to (the interpreter takes tensors for pointer parameters)."""
+    from epcomm import buffer as buffer_module
+    from epcomm.backends import collective_kernels
+    from epcomm.backends.base import OutputAllocator
+    from epcomm.kernels.launcher import Launcher
+
+    buffer = Buffer(dist.group.WORLD, 8, 64, 4, backend="collective")
+    backend = CollectiveBackend(dist.group.WORLD, buffer.config, kernels=True)
+    backend._host_transport = False  # as over NCCL: no header exchange on the host
+    buffer._backend = backend
+    live: dict[int, object] = {}
+    runs = []
+
+    def remember(*tensors):
+        live.update((t.data_ptr(), t) for t in tensors if isinstance(t, torch.Tensor))
+
+    def call_key(rows, topk_idx, topk_weights, *arguments):
+        remember(*rows, topk_idx, topk_weights)
+        return real_call_key(rows, topk_idx, topk_weights, *arguments)
+
+    def empty_all(self, shapes, makers):
+        tensors = real_empty_all(self, shapes, makers)
+        remember(*tensors)
+        return tensors
+
+    def launch_filled(self, variant, stream, args):
+        remember(backend._flags, backend._seq, backend._kernels.no_weights,
+                 *backend._headers.values())
+        ints = self.fn.kwargs["do_not_specialize"]
+        values = [live[value] if name not in ints else value
+                  for name, value in zip(self.params, args)]
+        self.fn[self.grid](*values, **self.constants)
+
+    def run(self, *args):
+        runs.append(self.call.expand)
+        return real_run(self, *args)
+
+    real_call_key, real_empty_all = buffer_module.call_key, OutputAllocator.empty_all
+    real_run = collective_kernels.DispatchPlan.run
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(buffer_module, "call_key", call_key)
+        patch.setattr(OutputAllocator, "empty_all", empty_all)
+        patch.setattr(Launcher, "kept", lambda self, variant: True)
+        patch.setattr(Launcher, "launch_filled", launch_filled)
+        patch.setattr(collective_kernels, "INTERPRET", False)
+        patch.setattr(collective_kernels.DispatchPlan, "run", run)
+        for expand in (False, True):
+            for repeat in range(3):
+                case = Case(num_experts=4 * buffer.num_ranks, do_expand=expand,
+                            do_cpu_sync=False, expert_alignment=4 if expand else 1,
+                            routing="skewed", seed=seed + 10 * expand + repeat)
+                check_round_trip(buffer, case)
+    return len(runs)
+
+
+def test_prepared_dispatch_bitwise() -> None:
+    # every dispatch runs the plan (`kept` is patched: nothing to compile first), the first of
+    # each layout made by the backend, the later ones taken straight from the buffer
+    assert run_local_ranks(run_prepared_dispatch, 1, SEED) == [6]
