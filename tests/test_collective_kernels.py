@@ -1,6 +1,7 @@
 """The collective backend's kernel path (`backends.collective_kernels`, Triton; the
 interpreter on CPU) on local gloo ranks: dispatch, cached dispatch and combine, compact and
-expand, synchronizing and sync-free, bitwise against the reference."""
+expand, synchronizing and sync-free, bitwise against the reference; prepared sync-free
+dispatches; an invalid expert id raised from a synchronizing dispatch's one host read."""
 from __future__ import annotations
 
 import os
@@ -102,3 +103,35 @@ def test_prepared_dispatch_bitwise() -> None:
     # every dispatch runs the plan (`kept` is patched: nothing to compile first), the first of
     # each layout made by the backend, the later ones taken straight from the buffer
     assert run_local_ranks(run_prepared_dispatch, 1, SEED) == [6]
+
+
+def run_invalid_id_synchronizing(seed: int) -> str:
+    """A synchronizing dispatch with an expert id of E on rank 0, as on a GPU (no host check of
+    the ids): the count exchange carries rank 0's error flag, every rank completes the call,
+    rank 0 raises `EPInputError` from its one host read, and the next calls are correct."""
+    from epcomm import checks
+    from epcomm.errors import EPInputError
+
+    buffer = Buffer(dist.group.WORLD, 8, 64, 4, backend="collective")
+    buffer._backend = CollectiveBackend(dist.group.WORLD, buffer.config, kernels=True)
+    E = 4 * buffer.num_ranks
+    gen = torch.Generator().manual_seed(seed + buffer.rank)
+    idx = torch.rand(6, E, generator=gen).topk(4, dim=1).indices
+    if buffer.rank == 0:
+        idx[0, 0] = E
+    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16)
+    outcome = "returned"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(checks, "check_expert_ids", lambda topk_idx, num_experts: None)
+        try:
+            buffer.dispatch(x, idx, num_experts=E, do_cpu_sync=True)
+        except EPInputError as exc:
+            assert "outside" in str(exc), exc
+            outcome = "raised"
+    for sync in (True, False):
+        check_round_trip(buffer, Case(num_experts=E, do_cpu_sync=sync, seed=seed + sync))
+    return outcome
+
+
+def test_invalid_id_raises_from_the_one_host_read() -> None:
+    assert run_local_ranks(run_invalid_id_synchronizing, 2, SEED) == ["raised", "returned"]
