@@ -466,7 +466,7 @@ def aggregate(per_rank: list[dict], opts: Options) -> list[dict]:
             row["copy"] = _figure([b[f"copy_{case.dtype}"] for b in bases], "bytes")
         row["num_sms"] = per_rank[0]["num_sms"][case.config]
         _add_peer_figures(row, case, bases, records)
-        _add_floor_figures(row, records)
+        _add_floor_figures(row, records, opts.pg_backend == "gloo")
         rows.append(row)
     return rows
 
@@ -506,13 +506,15 @@ def _output_copies(measure, handle, hidden: int, dtype: str, device: torch.devic
     return figures
 
 
-def _add_floor_figures(row: dict, records: list[dict]) -> None:
+def _add_floor_figures(row: dict, records: list[dict], host_exchange: bool) -> None:
     """Floors of the collective backend's case (median over ranks): dispatch = the payload
-    all-to-all (with the count exchange and its host read when synchronizing) + the copy of
-    its output bytes; combine = the reverse all-to-all + the copy of the combined rows."""
+    all-to-all (with the count exchange and its host read when synchronizing, or always with
+    `host_exchange`: over gloo every dispatch exchanges its headers on the host first) + the
+    copy of its output bytes; combine = the reverse all-to-all + the copy of the combined
+    rows."""
     if row["backend"] != "collective" or "copy_dispatch_out" not in records[0]:
         return
-    a2a = row["a2a_dispatch"] if row["sync"] else row["a2a_dispatch_payload"]
+    a2a = row["a2a_dispatch"] if row["sync"] or host_exchange else row["a2a_dispatch_payload"]
     copies = {what: statistics.median(r[f"copy_{what}_out"]["s"] for r in records) * 1e6
               for what in ("dispatch", "combine")}
     row["floor"] = {"dispatch_us": a2a["us"] + copies["dispatch"],
@@ -534,8 +536,9 @@ def _format_floor_table(rows: list[dict]) -> str:
               f"{r['combine']['us']:.1f}", f"{r['floor']['combine_us']:.1f}",
               f"{r['combine']['us'] / r['floor']['combine_us']:.2f}"] for r in floor_rows]
     return ("\n\nCollective backend against its floor: the all-to-all of the bytes a call sends "
-            "(a2a disp with do_cpu_sync, else the payload alone; a2a comb) + a fresh copy of the "
-            "bytes it writes to its outputs (valid rows), same run, median over ranks:\n\n"
+            "(a2a disp with do_cpu_sync or over gloo, where every dispatch exchanges its headers "
+            "first, else the payload alone; a2a comb) + a fresh copy of the bytes it writes to "
+            "its outputs (valid rows), same run, median over ranks:\n\n"
             + _format_table(header, lines, 1))
 
 
