@@ -209,6 +209,11 @@ class KernelPath:
         return request.key is not None and request.cached is None and \
             self.backend._dispatch_exchange(request) is None and not INTERPRET
 
+    def _counts_allocation(self) -> tuple[str, tuple, torch.dtype, bool]:
+        """The count kernel's output, allocated before the rest (`_allocations`)."""
+        return "counts", (self.programs, next_power_of_2(self.backend.num_ranks)), \
+            torch.int32, False
+
     def _allocations(self, call: _Call, sizes: _Sizes) -> list[tuple[str, tuple, torch.dtype,
                                                                       bool]]:
         """(name, shape, dtype, output) of every tensor a dispatch allocates after its count
@@ -272,7 +277,7 @@ class KernelPath:
                 send_counts_ptr=t["send_counts"], idx_copy=t["idx_copy"],
                 copy_idx=int(call.copy_idx), fields_ptr=header, seq_ptr=b._seq,
                 bump=int(not exchanged), exact=exact)
-        o0 = t.get("out0", t["p0"]) if not call.expand else t["p0"]
+        o0 = t["out0"] if not call.expand else t["p0"]
         o1 = t.get("out1", o0) if not call.expand else o0
         layout = dict(recv_addr=t["recv"].data_ptr(), record_words=call.record_words,
                       num_ranks=R, max_tokens=M, exact=exact, num_rows=sizes.num_rows,
@@ -297,9 +302,7 @@ class KernelPath:
         bound = sizes.num_expanded if call.expand else \
             sizes.num_rows * K + call.alignment * num_local
         expand = self._launcher(kernels.expand_kernel, BLOCK_E=block_e, GROUP=GROUP,
-                                ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, K=K,
-                                BLOCK_K=next_power_of_2(K),
-                                BLOCK_R=next_power_of_2(R)), vec, dict(
+                                ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), vec, dict(
             layout, rank_psum=t["rank_psum"], alignment=call.alignment, capacity=bound,
             expert_counts=t["expert_counts"], expert_psum_out=t["expert_psum"],
             p0_out=e0.data_ptr(), p1_out=e1.data_ptr(),
@@ -352,9 +355,9 @@ class KernelPath:
         R = b.num_ranks
         rows, topk_idx = request.rows, request.topk_idx
         t = dict(idx=topk_idx, p0=rows[0], p1=rows[-1],
-                 weights=request.topk_weights if call.has_w else self.no_weights,
-                 counts=b._workspace.tensor("counts", (self.programs, next_power_of_2(R)),
-                                            torch.int32))
+                 weights=request.topk_weights if call.has_w else self.no_weights)
+        name, shape, dtype, _ = self._counts_allocation()
+        t[name] = b._workspace.tensor(name, shape, dtype)
         exchange = b._dispatch_exchange(request)
         sizes_read = call.sync and request.cached is None  # one host read gives every size
         t["experts"] = torch.zeros(call.num_experts, dtype=torch.int64, device=b.device) \
@@ -395,8 +398,7 @@ class KernelPath:
         sizes, _ = self._sizes(call, request, None)
         callers = caller_tensors(request.rows, request.topk_idx, request.topk_weights)
         slots = {id(tensor): Address(at) for at, tensor in enumerate(callers)}
-        allocations = [("counts", (self.programs, next_power_of_2(b.num_ranks)), torch.int32,
-                        False), *self._allocations(call, sizes)]
+        allocations = [self._counts_allocation(), *self._allocations(call, sizes)]
         t = {name: Address(len(callers) + at) for at, (name, *_) in enumerate(allocations)}
         t.update(idx=slots[id(request.topk_idx)], p0=slots[id(request.rows[0])],
                  p1=slots[id(request.rows[-1])], experts=b._seq,
