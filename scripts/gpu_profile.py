@@ -1,6 +1,7 @@
 """Where a call's time goes at EP=1 on the GPU: host functions and device kernels.
 
     PYTHONPATH=src python3 scripts/gpu_profile.py [--tokens 128 4096] [--iters 20] [--out DIR]
+        [--backends symmetric collective]
 
 One process, a one-rank NCCL group. For each backend (symmetric, collective), token count,
 layout and sync mode (hidden 7168, top-8, 256 experts, bf16): after warm-up, `--iters`
@@ -77,9 +78,9 @@ def _profile_case(buffer, x, idx, w, expand: bool, sync: bool, iters: int) -> tu
     return summary, "\n".join([summary, text.getvalue(), table, kernels])
 
 
-def run(tokens_list: list[int], iters: int) -> list[tuple[str, str]]:
+def run(tokens_list: list[int], iters: int, backends: list[str]) -> list[tuple[str, str]]:
     results = []
-    for backend in ("symmetric", "collective"):
+    for backend in backends:
         for tokens in tokens_list:
             x, idx, w = example(tokens, H, K, E, torch.device("cuda"), 0)
             buffer = Buffer(dist.group.WORLD, tokens, H, K, backend=backend)
@@ -97,9 +98,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[128, 4096])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--backends", nargs="+", default=["symmetric", "collective"],
+                        choices=["symmetric", "collective"])
     parser.add_argument("--out", default=os.environ.get("OUT", "/tmp"))
     args = parser.parse_args()
-    [results] = run_local_ranks(run, 1, args.tokens, args.iters, pg_backend="nccl",
+    [results] = run_local_ranks(run, 1, args.tokens, args.iters, args.backends, pg_backend="nccl",
                                 deadline_s=600)
     with open(os.path.join(args.out, "profile.txt"), "w") as f:
         f.write("\n\n".join(full for _, full in results))

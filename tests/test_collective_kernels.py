@@ -135,3 +135,23 @@ def run_invalid_id_synchronizing(seed: int) -> str:
 
 def test_invalid_id_raises_from_the_one_host_read() -> None:
     assert run_local_ranks(run_invalid_id_synchronizing, 2, SEED) == ["raised", "returned"]
+
+
+def test_header_kernel_example() -> None:
+    """`kernels.collective.header_kernel`'s docstring example, under the interpreter."""
+    from epcomm.kernels import collective as kernels
+    from epcomm.kernels.launcher import Launcher
+
+    fields = torch.arange(10, 10 + kernels.NUM_FIELDS.value - 1, dtype=torch.int64)
+    seq, flags = torch.tensor(4, dtype=torch.int64), torch.tensor(0, dtype=torch.int32)
+    experts = torch.tensor([2, 1], dtype=torch.int64)
+    words = kernels.NUM_FIELDS.value + 1 + 1 + 1 + 2
+    rows = torch.full((1, words), -7, dtype=torch.int64)
+    launcher = Launcher(kernels.header_kernel, 1, dict(BLOCK_P=2, BLOCK_R=1, BLOCK_E=2,
+                                                       BLOCK_F=16, num_warps=1))
+    launcher(None, None, dict(
+        counts_ptr=torch.tensor([[2], [1]], dtype=torch.int32), num_programs=2, num_ranks=1,
+        flags_ptr=flags, experts_ptr=experts, num_local=2, fields_ptr=fields, seq_ptr=seq,
+        rows_ptr=rows, row_words=words, extra=1))
+    assert rows.tolist() == [[5, *fields.tolist(), 3, 0, 3, 2, 1]]
+    assert experts.tolist() == [0, 0] and seq.item() == 5

@@ -297,11 +297,11 @@ class Buffer:
             self._fault = f"{type(exc).__name__}: {exc}"
         return exc
 
-    def _direct(self, inputs, host_reads: bool) -> bool:
+    def _direct(self, inputs) -> bool:
         """Whether a call may run on the current stream as far as the backend and the inputs
-        go (`StreamPolicy.run`): the backend queues on named streams, the call reads nothing
-        back, and the backend takes every input without a copy."""
-        if host_reads or not self._backend.explicit_streams:
+        go (`StreamPolicy.run`): the backend queues on named streams and takes every input
+        without a copy."""
+        if not self._backend.explicit_streams:
             return False
         alignment = self._backend.input_alignment
         return all(tensor is None or _taken_as_is(tensor, alignment) for tensor in inputs)
@@ -457,7 +457,7 @@ class Buffer:
             result, event = self._streams.run(
                 work, inputs if stats is None else (*inputs, stats), args.previous_event,
                 args.async_with_compute_stream, args.allocate_on_comm_stream,
-                self._direct(inputs, host_reads))
+                self._direct(inputs))
         except _FAULTS as exc:
             raise self._broken_by(exc)
         if handle is None and not args.do_handle_copy:
@@ -562,7 +562,7 @@ class Buffer:
         try:
             (combined_x, combined_weights), event = self._streams.run(
                 work, inputs, previous_event, async_with_compute_stream,
-                allocate_on_comm_stream, self._direct(inputs, handle.do_cpu_sync))
+                allocate_on_comm_stream, self._direct(inputs))
         except _FAULTS as exc:
             raise self._broken_by(exc)
         if self.device.type == "cpu":

@@ -4,8 +4,8 @@ what, and how tensors are kept alive until the communication stream is done with
 
 One decision, `StreamPolicy.run`: a call the current stream waits for anyway (no
 `async_with_compute_stream`, no `previous_event`, outputs from the current stream's pool) of a
-backend that queues its work on a named stream, reading nothing back and taking its inputs
-without copies, runs on the current stream itself when the buffer's earlier calls are all
+backend that queues its work on a named stream and takes its inputs without copies, runs on
+the current stream itself when the buffer's earlier calls are all
 queued there (`_direct_stream`): the same order the communication stream would give, without two
 event hand-offs or any `record_stream`. Every other call goes through the communication stream.
 """
@@ -93,8 +93,9 @@ class StreamPolicy:
         """Run `work(alloc, stream)`, which queues its device work on `stream` and allocates
         its outputs through `alloc`: (its result, the call's `EventOverlap`). `inputs`: the
         tensors the call reads. `direct`: the call may run on the current stream (the backend
-        queues on named streams, the call reads nothing back, its inputs are taken as they
-        are); it does when `_direct_stream_now` allows it. Otherwise the comm stream runs it,
+        queues on named streams, its inputs are taken as they are; a call that reads counts
+        back waits for that stream, as it would for the comm stream); it does when
+        `_direct_stream_now` allows it. Otherwise the comm stream runs it,
         made current only when `work` may need that (switching costs host time)."""
         if self.device.type != "cuda":
             return work(OutputAllocator(self.device), None), EventOverlap()
@@ -107,9 +108,8 @@ class StreamPolicy:
                 if alloc is None or alloc.stream is not stream:
                     alloc = self._direct_alloc = OutputAllocator(self.device, stream, stream,
                                                                  remember=False)
-                result = work(alloc, stream)
-                self._direct_stream = stream
-                return result, EventOverlap(stream=stream)  # recorded when first needed
+                self._direct_stream = stream  # (first: a call that raises has queued work too)
+                return work(alloc, stream), EventOverlap(stream=stream)  # (recorded when needed)
         compute = self._current_stream()
         # (torch.cuda.current_device() costs 2-4 us of host time; this is what it returns.)
         same_device = torch._C._cuda_getDevice() == self.device.index

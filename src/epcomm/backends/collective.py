@@ -412,15 +412,13 @@ class CollectiveBackend(Backend):
             self._headers[values] = header
         return header
 
-    def _header_rows(self, header: torch.Tensor, counts: torch.Tensor,
-                     extra: Sequence[torch.Tensor] = ()) -> torch.Tensor:
-        """[R, _HEADER_WORDS + n] int64: this call's header for each destination (its record
-        count last), then the columns of `extra` ([R, n_i] int64 each: words the host exchange
-        carries after the header); advances the call sequence number."""
+    def _header_rows(self, header: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """[R, _HEADER_WORDS] int64: this call's header for each destination (its record count
+        last); advances the call sequence number."""
         self._seq.add_(1)
         R = self.num_ranks
         return torch.cat([self._seq.expand(R, 1), header.expand(R, header.shape[0]),
-                          counts.view(R, 1), *extra], dim=1)
+                          counts.view(R, 1)], dim=1)
 
     def _dispatch_exchange(self, request: DispatchRequest) -> Optional[str]:
         """The stage name of a dispatch's header exchange on the host, where it has one: the
@@ -431,10 +429,14 @@ class CollectiveBackend(Backend):
             return "dispatch (count exchange)"
         return "dispatch (header exchange)" if self._host_transport else None
 
-    def _exchange_headers(self, stage: str, rows: torch.Tensor) -> list[list[int]]:
-        """All-to-all of the header rows, read and checked on the host: each source's header
-        (its count last). Raises EPMismatchError naming the field and the ranks."""
-        received = self._all_to_all(stage, torch.empty_like(rows), rows).tolist()
+    def _exchange_headers(self, stage: str, rows: torch.Tensor,
+                          ) -> tuple[torch.Tensor, list[list[int]]]:
+        """All-to-all of the header rows, read and checked on the host: the rows received
+        (row r from rank r, on the device) and their values (each source's header, its count
+        last, then any words after it). Raises EPMismatchError naming the field and the
+        ranks."""
+        rows = self._all_to_all(stage, torch.empty_like(rows), rows)
+        received = rows.tolist()
         mine = received[self.rank]  # (this rank's own header, fields as sent to every rank)
         for field, name in enumerate(errors.CALL_FIELDS):
             values = [header[field] for header in received]
@@ -446,7 +448,7 @@ class CollectiveBackend(Backend):
                 if field == _SEQ:  # a rank skipped or repeated a call: out of step for good
                     self._failure = str(error)
                 raise error
-        return received
+        return rows, received
 
     def _check_headers(self, buf: torch.Tensor, blocks: _Blocks, expected: torch.Tensor) -> None:
         """Compare the header of every received block with `expected` ([_HEADER_WORDS], this
@@ -485,7 +487,7 @@ class CollectiveBackend(Backend):
             self._flags.bitwise_or_(out_of_range.int() * errors.INVALID_EXPERT_ID)
             rows = self._header_rows(header, send.send_counts)
         if exchange:
-            table = self._exchange_headers(exchange, rows)
+            _, table = self._exchange_headers(exchange, rows)
         if cached is None:
             if exchange:  # the counts are on the host: exact splits, sync-free calls too
                 recv_splits = [source[_COUNT] for source in table]

@@ -42,7 +42,7 @@ NUM_WARPS = 8
 COMBINE_ROWS = 8
 BLOCK_H = 1024
 COMBINE_WARPS = 16
-_ROWS_PER_PROGRAM = 32  # programs: one per 32 rows of the largest side, up to 2 per SM
+_ROWS_PER_PROGRAM = 4  # programs: one per 4 rows of the largest side, up to 2 per SM
 
 
 @dataclass
@@ -50,12 +50,14 @@ class KernelState:
     """What combine and a cached dispatch reuse. pos: [T, R] int32, each token's row among
     those sent to each rank (-1: not sent); send_counts: [R] int32 device; splits (exact
     blocks, synchronizing calls; None for padded blocks): records sent to / received from each
-    rank, host lists."""
+    rank, host lists, and recv_counts the rows of the count exchange that hold the latter
+    ([R, n] int64 on the device, row r's record count at word _HEADER_WORDS - 1)."""
 
     pos: torch.Tensor
     send_counts: torch.Tensor
     send_splits: Optional[list[int]]
     recv_splits: Optional[list[int]]
+    recv_counts: Optional[torch.Tensor]
 
 
 def _vec(*words: int) -> int:
@@ -175,15 +177,19 @@ class KernelPath:
             self.programs = max(1, min(-(-rows // _ROWS_PER_PROGRAM), 2 * sms))
         self.launchers: dict = {}
         self.plans: dict = {}
+        # slots per expert of a synchronizing call ([E] int64), zeroed again by header_kernel
+        self.experts = torch.zeros(0, dtype=torch.int64, device=config.device)
         # stands in for the weights of a call without them (the kernels do not read it)
         self.no_weights = torch.empty(1, dtype=torch.float32, device=config.device)
 
-    def _launcher(self, fn, **constants) -> Launcher:
+    def _launcher(self, fn, programs: Optional[int] = None, **constants) -> Launcher:
+        """The cached `Launcher` of `fn` on `programs` (None: the path's P) with `constants`."""
         constants.setdefault("num_warps", NUM_WARPS)
-        key = (fn.__name__, *constants.values())
+        programs = self.programs if programs is None else programs
+        key = (fn.__name__, programs, *constants.values())
         launcher = self.launchers.get(key)
         if launcher is None:
-            launcher = self.launchers[key] = Launcher(fn, self.programs, constants)
+            launcher = self.launchers[key] = Launcher(fn, programs, constants)
         return launcher
 
     def _launch(self, fn, variant, fields: dict, **constants) -> None:
@@ -290,7 +296,9 @@ class KernelPath:
                                 BLOCK_E=min(block_e, 1024), BLOCK_F=kernels.BLOCK_F,
                                 ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), \
             call.idx_variant, dict(
-                layout, rank=b.rank, counts_ptr=t["exact_counts"], rank_psum_out=t["rank_psum"],
+                layout, rank=b.rank, counts_ptr=t["exact_counts"],
+                counts_stride=t["exact_counts"].shape[1] if exact else 0,
+                rank_psum_out=t["rank_psum"],
                 p0_out=o0.data_ptr(), p1_out=o1.data_ptr(),
                 idx_out=t["recv_idx"] if not call.expand else t["idx"], w_out=compact_w,
                 hist_ptr=t["hist"], check=int(not exchanged), fields_ptr=header,
@@ -309,6 +317,32 @@ class KernelPath:
             w_out=t["recv_w"] if call.has_w and call.expand else t["weights"],
             hist_ptr=t["hist"])
         return [pack, unpack, prefix, expand]
+
+    def _experts(self, num_experts: int) -> torch.Tensor:
+        """The zeroed slots-per-expert accumulator of a synchronizing call ([E] int64)."""
+        if self.experts.numel() < num_experts:
+            self.experts = torch.zeros(num_experts, dtype=torch.int64,
+                                       device=self.backend.device)
+        return self.experts[:num_experts]
+
+    def _count_rows(self, call: _Call, t: dict, header: torch.Tensor,
+                    sizes_read: bool) -> torch.Tensor:
+        """The rows a dispatch's count exchange sends (`kernels.header_kernel`; with
+        `sizes_read` the words every size of the call comes from: see `_sizes`), after its
+        count launch."""
+        b = self.backend
+        R, num_local = b.num_ranks, call.num_experts // b.num_ranks
+        words = _HEADER_WORDS + (1 + R + num_local if sizes_read else 0)
+        rows = b._workspace.tensor("count rows", (R, words), torch.int64)
+        launcher = self._launcher(
+            kernels.header_kernel, programs=1, BLOCK_P=max(2, next_power_of_2(self.programs)),
+            BLOCK_R=next_power_of_2(R), BLOCK_E=min(next_power_of_2(max(num_local, 1)), 1024),
+            BLOCK_F=next_power_of_2(_HEADER_WORDS + 1))
+        launcher((), None, dict(
+            counts_ptr=t["counts"], num_programs=self.programs, num_ranks=R, flags_ptr=b._flags,
+            experts_ptr=t["experts"], num_local=num_local, fields_ptr=header, seq_ptr=b._seq,
+            rows_ptr=rows, row_words=words, extra=int(sizes_read)))
+        return rows
 
     def _sizes(self, call: _Call, request: DispatchRequest,
                table: Optional[list[list[int]]]) -> tuple[_Sizes, int]:
@@ -352,7 +386,6 @@ class KernelPath:
                     request.rows, request.topk_idx, request.topk_weights)]
                 if plan.takes(addresses):
                     return plan.run(addresses, request.topk_idx, request.alloc, request.stream)
-        R = b.num_ranks
         rows, topk_idx = request.rows, request.topk_idx
         t = dict(idx=topk_idx, p0=rows[0], p1=rows[-1],
                  weights=request.topk_weights if call.has_w else self.no_weights)
@@ -360,24 +393,23 @@ class KernelPath:
         t[name] = b._workspace.tensor(name, shape, dtype)
         exchange = b._dispatch_exchange(request)
         sizes_read = call.sync and request.cached is None  # one host read gives every size
-        t["experts"] = torch.zeros(call.num_experts, dtype=torch.int64, device=b.device) \
-            if sizes_read else b._seq
+        t["experts"] = self._experts(call.num_experts) if sizes_read else b._seq
         launcher, variant, fields = self._count_launch(call, t, sizes_read)
         launcher(variant, None, fields)
-        table = None
+        table, t["exact_counts"] = None, b._seq  # (exact counts: none, the kernel reads none)
         if exchange:
-            sends = t["counts"].sum(0, dtype=torch.int64)[:R]
-            extra = (b._flags.long().expand(R, 1), sends.expand(R, R),
-                     t["experts"].view(R, call.num_experts // R)) if sizes_read else ()
-            table = b._exchange_headers(exchange, b._header_rows(header, sends, extra))
+            received, table = b._exchange_headers(exchange, self._count_rows(
+                call, t, header, sizes_read))
+        if sizes_read:
+            t["exact_counts"] = received
+        elif call.sync:
+            t["exact_counts"] = request.cached.backend_state.recv_counts
         sizes, flags = self._sizes(call, request, table)
         for name, shape, dtype, output in self._allocations(call, sizes):
             t[name] = request.alloc.empty(shape, dtype) if output else \
                 b._workspace.tensor(name, shape, dtype)
         if not call.copy_idx:
             t["idx_copy"] = topk_idx
-        t["exact_counts"] = t["send_counts"] if sizes.recv_splits is None else \
-            torch.tensor(sizes.recv_splits, dtype=torch.int32, device=b.device)
         pack, *rest = self._launches(call, sizes, t, header, bool(exchange))
         pack[0](pack[1], None, pack[2])
         b._all_to_all("dispatch", t["recv"], t["send"],
@@ -404,7 +436,7 @@ class KernelPath:
                  p1=slots[id(request.rows[-1])], experts=b._seq,
                  weights=slots[id(request.topk_weights)] if call.has_w else self.no_weights)
         t.setdefault("idx_copy", t["idx"])
-        t["exact_counts"] = t["send_counts"]
+        t["exact_counts"] = b._seq  # (padded blocks: not read)
         launches = [self._count_launch(call, t, False),
                     *self._launches(call, sizes, t, header, False)]
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
@@ -444,7 +476,8 @@ class KernelPath:
             num_tokens=call.num_tokens,
             hidden=b.config.hidden,
             backend_state=KernelState(t["pos"], t["send_counts"], sizes.send_splits,
-                                      sizes.recv_splits),
+                                      sizes.recv_splits, t["exact_counts"]
+                                      if sizes.recv_splits is not None else None),
             num_sms=b.config.num_sms or 0,
         )
         return DispatchResult(outputs, recv_idx, recv_w, handle, flags_checked=flags_checked)

@@ -7,18 +7,19 @@ record `[bf16 row | K weights]`). On a GPU these kernels build the send buffer a
 receive buffer in a few launches where the torch path needs one operation per field (about 180
 per dispatch, each a launch of 20-25 us of host time).
 
-Dispatch (every kernel on the same P programs; a program's tokens or rows are one contiguous
-chunk, `program_chunk`):
+Dispatch (every kernel but `header_kernel` on the same P programs; a program's tokens or rows
+are one contiguous chunk, `program_chunk`):
 1. `count_kernel`: tokens per destination of each program's chunk; ids outside [-1, E) flag.
    For a synchronizing call also the slots per expert, which travel in the count exchange
-   (the host then knows every size of the call after that one read).
+   (the host then knows every size of the call after that one read); `header_kernel` builds
+   the rows of that exchange.
 2. `pack_kernel`: each token's position per destination (earlier programs' counts, then token
    order: deterministic), the records and, by program 0, every block's header (the call's
    sequence number advanced on the device). Also the handle's `dst_buffer_slot_idx`.
 3. the all-to-all (the caller).
-4. `unpack_kernel`: the received blocks' counts (from their headers, or exact from the host),
-   the header check, then per compact row its metadata, local ids, weights and (compact)
-   payload; each program's pairs per local expert.
+4. `unpack_kernel`: the received blocks' counts (from their headers, or exact from the count
+   exchange), the header check, then per compact row its metadata, local ids, weights and
+   (compact) payload; each program's pairs per local expert.
 5. `expert_prefix_kernel`: per local expert, the exclusive prefix of those counts over the
    programs (in place) and its total.
 6. `expand_kernel`: every expert's aligned start, then each pair's expand row (start + earlier
@@ -168,6 +169,45 @@ def count_kernel(idx_ptr, num_tokens, num_experts, num_ranks, counts_ptr, flags_
         tl.atomic_or(flags_ptr, INVALID_EXPERT_ID)
 
 
+@_kernel("counts_ptr flags_ptr experts_ptr fields_ptr seq_ptr rows_ptr")
+def header_kernel(counts_ptr, num_programs, num_ranks, flags_ptr, experts_ptr, num_local,
+                  fields_ptr, seq_ptr, rows_ptr, row_words, extra, BLOCK_P: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_F: tl.constexpr):
+    """The header rows of a dispatch's count exchange, by one program, after `count_kernel`
+    (`num_programs` rows of counts): [R, row_words] int64, per destination d the call's
+    sequence number (advanced here), its fields after it, the records for d; then with `extra`
+    this rank's error flag, its records for every rank and the slots for each of d's local
+    experts (`experts[d * num_local:][:num_local]`, zeroed here for the next call).
+
+    Example (R = 1, two programs, extra, E_l = 2): counts [[2], [1]], sequence number 4,
+    fields F, flag 0, experts [2, 1] -> rows [[5, *F, 3, 0, 3, 2, 1]] and experts [0, 0]."""
+    pp = tl.arange(0, BLOCK_P)
+    rr = tl.arange(0, BLOCK_R)
+    ff = tl.arange(0, BLOCK_F)
+    ee = tl.arange(0, BLOCK_E)
+    rmask = rr < num_ranks
+    counts = tl.load(counts_ptr + pp[:, None] * BLOCK_R + rr[None, :],
+                     mask=(pp < num_programs)[:, None] & rmask[None, :], other=0)
+    sends = total(counts).to(tl.int64)
+    seq = tl.load(seq_ptr) + 1
+    tl.store(seq_ptr, seq)
+    flags = tl.load(flags_ptr).to(tl.int64)
+    fields = tl.load(fields_ptr + ff - 1, mask=(ff >= 1) & (ff < NUM_FIELDS), other=0)
+    head = tl.where(ff == 0, seq, tl.where(ff == NUM_FIELDS + 1, flags, fields))
+    for d in range(num_ranks):
+        row = rows_ptr + d * row_words
+        words = tl.where(ff == NUM_FIELDS, sum_along(tl.where(rr == d, sends, 0), 0), head)
+        tl.store(row + ff, words, mask=ff < NUM_FIELDS + 1 + extra)
+        if extra != 0:
+            tl.store(row + NUM_FIELDS + 2 + rr, sends, mask=rmask)
+            for e0 in range(0, num_local, BLOCK_E):
+                emask = e0 + ee < num_local
+                at = experts_ptr + d * num_local + e0 + ee
+                tl.store(row + NUM_FIELDS + 2 + num_ranks + e0 + ee, tl.load(at, mask=emask),
+                         mask=emask)
+                tl.store(at, tl.full([BLOCK_E], 0, tl.int64), mask=emask)
+
+
 @triton.jit
 def _pack_field(src, num_words, field, send_addr, record_words, rows, live, tmask, num_ranks,
                 VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -243,13 +283,15 @@ def pack_kernel(idx_ptr, weights_ptr, has_w, num_tokens, num_experts, num_ranks,
 
 @triton.jit
 def _received(recv_addr, record_words, rr, num_ranks, max_tokens, exact, counts_ptr,
-              flags_ptr, BLOCK_R: tl.constexpr):
+              counts_stride, flags_ptr, BLOCK_R: tl.constexpr):
     """(counts, inclusive prefix, block starts) of the received blocks: exact blocks take the
-    counts the host read (`counts_ptr`); padded ones read them from the headers (more than
-    max_tokens flags RECEIVE_OVERFLOW and is cut)."""
+    counts from the rows of the count exchange (int64 [R, counts_stride] at `counts_ptr`, the
+    header of source r in row r); padded ones read them from the headers in the buffer (more
+    than max_tokens flags RECEIVE_OVERFLOW and is cut)."""
     rmask = rr < num_ranks
     if exact != 0:
-        counts = tl.load(counts_ptr + rr, mask=rmask, other=0)
+        counts = tl.load(counts_ptr + rr * counts_stride + NUM_FIELDS, mask=rmask,
+                         other=0).to(tl.int32)
     else:
         header = _i64_ptr(recv_addr + rr.to(tl.int64) * (max_tokens + 1) * record_words * 4)
         counts = tl.load(header + NUM_FIELDS, mask=rmask, other=0).to(tl.int32)
@@ -262,7 +304,7 @@ def _received(recv_addr, record_words, rr, num_ranks, max_tokens, exact, counts_
 
 @_kernel("counts_ptr rank_psum_out idx_out w_out meta_out hist_ptr fields_ptr seq_ptr flags_ptr")
 def unpack_kernel(recv_addr, record_words, num_ranks, rank, max_tokens, num_local, exact,
-                  counts_ptr, rank_psum_out, num_rows, p0_out, w0, p1_out, w1, off1, meta_off,
+                  counts_ptr, counts_stride, rank_psum_out, num_rows, p0_out, w0, p1_out, w1, off1, meta_off,
                   expand, zero_padding, idx_out, w_out, has_w, meta_out, hist_ptr, check,
                   fields_ptr, seq_ptr, flags_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -278,7 +320,7 @@ def unpack_kernel(recv_addr, record_words, num_ranks, rank, max_tokens, num_loca
     kmask = kk < K
     ee = tl.arange(0, BLOCK_E)
     counts, psum, starts = _received(recv_addr, record_words, rr, num_ranks, max_tokens, exact,
-                                     counts_ptr, flags_ptr, BLOCK_R)
+                                     counts_ptr, counts_stride, flags_ptr, BLOCK_R)
     if pid == 0:
         tl.store(rank_psum_out + rr, psum, mask=rmask)
         if check != 0:
