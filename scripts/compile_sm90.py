@@ -48,11 +48,13 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
         w_out="i32", error_ptr="i32"),
     collective.count_kernel: dict(idx_ptr="i64", counts_ptr="i32", flags_ptr="i32",
                                   experts_ptr="i64"),
+    collective.header_kernel: dict(counts_ptr="i32", flags_ptr="i32", experts_ptr="i64",
+                                   fields_ptr="i64", seq_ptr="i64", rows_ptr="i64"),
     collective.pack_kernel: dict(
         idx_ptr="i64", weights_ptr="fp32", counts_ptr="i32", pos_ptr="i32", slot_ptr="i32",
         send_counts_ptr="i32", idx_copy="i64", fields_ptr="i64", seq_ptr="i64"),
     collective.unpack_kernel: dict(
-        counts_ptr="i32", rank_psum_out="i32", idx_out="i64", w_out="fp32", meta_out="i32",
+        counts_ptr="i64", rank_psum_out="i32", idx_out="i64", w_out="fp32", meta_out="i32",
         hist_ptr="i32", fields_ptr="i64", seq_ptr="i64", flags_ptr="i32"),
     collective.expert_prefix_kernel: dict(hist_ptr="i32", expert_counts_out="i32"),
     collective.expand_kernel: dict(
@@ -86,6 +88,9 @@ def _collective_constants(fn, base: dict, K: int, vec: int) -> tuple[dict, int]:
     block_p = dict(BLOCK_P=256)
     if fn is collective.expert_prefix_kernel:
         return block_p, CK.NUM_WARPS
+    if fn is collective.header_kernel:
+        return dict(block_p, BLOCK_R=base["BLOCK_R"], BLOCK_E=256,
+                    BLOCK_F=triton.next_power_of_2(CK._HEADER_WORDS + 1)), CK.NUM_WARPS
     if fn in (collective.combine_pack_kernel, collective.combine_reduce_kernel):
         return dict(base, BLOCK_F=collective.BLOCK_F, ROWS=CK.COMBINE_ROWS, VEC=8,
                     BLOCK_H=CK.BLOCK_H), CK.COMBINE_WARPS

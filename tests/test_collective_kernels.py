@@ -40,11 +40,12 @@ def test_kernel_path(num_ranks: int) -> None:
     assert run_local_ranks(run_kernel_path, num_ranks, SEED) == [4] * num_ranks
 
 
-def run_prepared_dispatch(seed: int) -> int:
-    """Sync-free dispatches of one call shape after the first are prepared calls
-    (`collective_kernels.DispatchPlan`: templates filled with the call's addresses). Run here
-    under the interpreter: each filled launch has its int addresses mapped back to the tensors
-    they belong to (the interpreter takes tensors for pointer parameters)."""
+def run_prepared_calls(seed: int) -> tuple[int, int]:
+    """Sync-free dispatches of one call shape after the first, and their combines, are
+    prepared calls (`collective_kernels.DispatchPlan` and `CombinePlan`: templates filled with
+    the call's addresses). Run here under the interpreter: each filled launch has its int
+    addresses mapped back to the tensors they belong to (the interpreter takes tensors for
+    pointer parameters)."""
     from epcomm import buffer as buffer_module
     from epcomm.backends import collective_kernels
     from epcomm.backends.base import OutputAllocator
@@ -55,7 +56,7 @@ def run_prepared_dispatch(seed: int) -> int:
     backend._host_transport = False  # as over NCCL: no header exchange on the host
     buffer._backend = backend
     live: dict[int, object] = {}
-    runs = []
+    runs, combines = [], []
 
     def remember(*tensors):
         live.update((t.data_ptr(), t) for t in tensors if isinstance(t, torch.Tensor))
@@ -81,8 +82,19 @@ def run_prepared_dispatch(seed: int) -> int:
         runs.append(self.call.expand)
         return real_run(self, *args)
 
+    def combine_callers(*args):
+        tensors = real_callers(*args)
+        remember(*tensors)
+        return tensors
+
+    def run_combine(self, *args):
+        combines.append(len(self.shapes))
+        return real_run_combine(self, *args)
+
     real_call_key, real_empty_all = buffer_module.call_key, OutputAllocator.empty_all
     real_run = collective_kernels.DispatchPlan.run
+    real_callers = collective_kernels._combine_callers
+    real_run_combine = collective_kernels.CombinePlan.run
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(buffer_module, "call_key", call_key)
         patch.setattr(OutputAllocator, "empty_all", empty_all)
@@ -90,19 +102,23 @@ def run_prepared_dispatch(seed: int) -> int:
         patch.setattr(Launcher, "launch_filled", launch_filled)
         patch.setattr(collective_kernels, "INTERPRET", False)
         patch.setattr(collective_kernels.DispatchPlan, "run", run)
+        patch.setattr(collective_kernels, "_combine_callers", combine_callers)
+        patch.setattr(collective_kernels.CombinePlan, "run", run_combine)
         for expand in (False, True):
             for repeat in range(3):
                 case = Case(num_experts=4 * buffer.num_ranks, do_expand=expand,
                             do_cpu_sync=False, expert_alignment=4 if expand else 1,
-                            routing="skewed", seed=seed + 10 * expand + repeat)
+                            num_bias=repeat, routing="skewed",
+                            seed=seed + 10 * expand + repeat)
                 check_round_trip(buffer, case)
-    return len(runs)
+    return len(runs), len(combines)
 
 
-def test_prepared_dispatch_bitwise() -> None:
-    # every dispatch runs the plan (`kept` is patched: nothing to compile first), the first of
-    # each layout made by the backend, the later ones taken straight from the buffer
-    assert run_local_ranks(run_prepared_dispatch, 1, SEED) == [6]
+def test_prepared_calls_bitwise() -> None:
+    # every dispatch and combine runs a plan (`kept` is patched: nothing to compile first),
+    # the first dispatch of each layout made by the backend, the later ones taken straight
+    # from the buffer
+    assert run_local_ranks(run_prepared_calls, 1, SEED) == [(6, 6)]
 
 
 def run_invalid_id_synchronizing(seed: int) -> str:

@@ -226,8 +226,9 @@ def symmetric_faults(device):
     _round_trip(buffer, 6, 4)
 
     # A combine whose ranks disagree (weights from rank 0 only): flagged on every rank; where
-    # the outputs come back before the flag is read (the GPU's sync-free combine), each rank's
-    # sum leaves out the rows of the ranks that differ (here: keeps only its own).
+    # the outputs come back before the flag is read (a combine on the GPU), each rank's sum
+    # leaves out the rows of the ranks that differ from it (rank 0 keeps only its own rows,
+    # every other rank those of every rank but 0).
     x, idx, weights = _data(9, M, 4, device=device)
     recv_x, _, recv_w, handle, _ = buffer.dispatch(x, idx, weights, num_experts=4)
     y = (recv_x.float() * 3).bfloat16()
@@ -238,8 +239,9 @@ def symmetric_faults(device):
     group = dist.group.WORLD
     ref = reference_dispatch(*_cpu(x, idx, weights), 4, M, group)
     rows = ref.src_token.shape[0]
-    own = (ref.src_token // M == rank).view(-1, 1)
-    y_own = torch.where(own, y[:rows].cpu(), torch.zeros((), dtype=torch.bfloat16))
+    # (row n of y goes back to rank src_token[n] // M, which keeps it if it agrees with us)
+    kept = ((ref.src_token // M == 0) == (rank == 0)).view(-1, 1)
+    y_own = torch.where(kept, y[:rows].cpu(), torch.zeros((), dtype=torch.bfloat16))
     want = reference_combine(y_own, ref, idx.cpu(), 4, group)[0]
     if got:
         assert_equal("combine with a mismatched peer", got[0].cpu(), want)

@@ -177,6 +177,7 @@ class KernelPath:
             self.programs = max(1, min(-(-rows // _ROWS_PER_PROGRAM), 2 * sms))
         self.launchers: dict = {}
         self.plans: dict = {}
+        self.combine_plans: dict = {}
         # slots per expert of a synchronizing call ([E] int64), zeroed again by header_kernel
         self.experts = torch.zeros(0, dtype=torch.int64, device=config.device)
         # stands in for the weights of a call without them (the kernels do not read it)
@@ -488,53 +489,161 @@ class KernelPath:
         b = self.backend
         handle = request.handle
         state: KernelState = handle.backend_state
-        R, M, H = b.num_ranks, handle.num_max_tokens_per_rank, b.config.hidden
         topk_idx = handle.tensors["topk_idx"]
-        T, K = topk_idx.shape
+        x, weights, biases = request.x, request.topk_weights, request.biases
         sync = handle.do_cpu_sync
-        x, weights = request.x, request.topk_weights
-        has_w = weights is not None
-        vec = 8 if H % 8 == 0 else 4 if H % 4 == 0 else 2
-        common = dict(K=K, BLOCK_K=next_power_of_2(K), BLOCK_R=next_power_of_2(R),
-                      BLOCK_F=kernels.BLOCK_F, ROWS=COMBINE_ROWS, VEC=vec,
-                      BLOCK_H=BLOCK_H, num_warps=COMBINE_WARPS)
         if b._host_transport:
             counts = handle.tensors["psum_num_recv_tokens_per_scaleup_rank"].diff(
                 prepend=torch.zeros(1, dtype=torch.int32, device=b.device))
             b._exchange_headers("combine (header exchange)",
                                 b._header_rows(header, counts.long()))
-            bump = 0
-        else:
-            bump = 1
-        back_rows = sum(state.recv_splits) + R if sync else R * (M + 1)
-        send_buf = b._workspace.rows("send", back_rows, record.nbytes)
-        w_in = weights if has_w else self.no_weights
-        self._launch(kernels.combine_pack_kernel, vec, dict(
-            x_addr=x.data_ptr(), hidden=H, num_ranks=R, max_tokens=M, exact=int(sync),
-            rank_psum=handle.tensors["psum_num_recv_tokens_per_scaleup_rank"],
-            num_rows=handle.num_recv_tokens, send_addr=send_buf.data_ptr(),
-            record_words=record.nbytes // 4, meta_off=record.meta // 4,
-            metadata=handle.tensors["recv_src_metadata"], expand=int(handle.do_expand),
-            w_ptr=w_in, has_w=int(has_w), fields_ptr=header, seq_ptr=b._seq, bump=bump),
-            **common)
-        returned_rows = sum(state.send_splits) + R if sync else R * (M + 1)
-        returned = b._workspace.rows("receive", returned_rows, record.nbytes)
-        b._all_to_all("combine", returned, send_buf,
+        elif not sync and not INTERPRET:  # padded blocks, no host exchange: a prepared call
+            key = (handle.num_tokens, topk_idx.dtype, handle.num_max_tokens_per_rank,
+                   handle.num_experts, handle.do_expand, weights is not None,
+                   tuple(bias.dtype for bias in biases))
+            plan = self.combine_plans.get(key) or self._prepare_combine(
+                key, handle, x, weights, biases, record, header)
+            if plan is not None:
+                addresses = [tensor.data_ptr() for tensor in
+                             _combine_callers(handle, x, weights, biases)]
+                if plan.takes(addresses):
+                    return plan.run(addresses, request.alloc)
+        t = dict(x=x, weights=weights if weights is not None else self.no_weights,
+                 biases=biases, **{name: handle.tensors[name] for name in _HANDLE_READS},
+                 send_counts=state.send_counts, pos=state.pos)
+        for name, shape, dtype, output in self._combine_allocations(handle, record, sync):
+            t[name] = request.alloc.empty(shape, dtype) if output else \
+                b._workspace.tensor(name, shape, dtype)
+        pack, reduce = self._combine_launches(handle, weights is not None, biases, record,
+                                              header, t)
+        pack[0](pack[1], None, pack[2])
+        b._all_to_all("combine", t["returned"], t["send"],
                       [n + 1 for n in state.send_splits] if sync else None,
                       [n + 1 for n in state.recv_splits] if sync else None)
-        out = request.alloc.empty((T, H), torch.bfloat16)
-        w_out = request.alloc.empty((T, K), torch.float32) if has_w else None
-        biases = request.biases
-        bias0 = biases[0] if biases else out
-        bias1 = biases[1] if len(biases) > 1 else bias0
-        self._launch(kernels.combine_reduce_kernel, (topk_idx.dtype, bias0.dtype, bias1.dtype),
-                     dict(recv_addr=returned.data_ptr(), record_words=record.nbytes // 4,
-                          meta_off=record.meta // 4, num_ranks=R, max_tokens=M,
-                          exact=int(sync), send_counts=state.send_counts, idx_ptr=topk_idx,
-                          num_tokens=T, num_experts=handle.num_experts, pos_ptr=state.pos,
-                          bias0=bias0, bias1=bias1, num_bias=len(biases), out_ptr=out,
-                          hidden=H, has_w=int(has_w),
-                          w_out=w_out if w_out is not None else w_in,
-                          check=int(not b._host_transport), fields_ptr=header, seq_ptr=b._seq,
-                          flags_ptr=b._flags), **common)
-        return out, w_out
+        reduce[0](reduce[1], None, reduce[2])
+        return t["out"], t.get("w_out")
+
+    def _combine_allocations(self, handle: EPHandle, record: "_Record", sync: bool,
+                             ) -> list[tuple[str, tuple, torch.dtype, bool]]:
+        """(name, shape, dtype, output) of a combine's tensors: its send and receive rows
+        (exact blocks after a synchronizing dispatch, else padded), then its outputs."""
+        b = self.backend
+        state: KernelState = handle.backend_state
+        R, M, H = b.num_ranks, handle.num_max_tokens_per_rank, b.config.hidden
+        T, K = handle.tensors["topk_idx"].shape
+        nbytes = record.nbytes
+        out = [("send", (sum(state.recv_splits) + R if sync else R * (M + 1), nbytes),
+                torch.uint8, False),
+               ("returned", (sum(state.send_splits) + R if sync else R * (M + 1), nbytes),
+                torch.uint8, False),
+               ("out", (T, H), torch.bfloat16, True)]
+        if record.meta_words:  # (weights travel back)
+            out.append(("w_out", (T, K), torch.float32, True))
+        return out
+
+    def _combine_launches(self, handle: EPHandle, has_w: bool, biases: Sequence,
+                          record: "_Record", header: torch.Tensor, t: dict) -> list[tuple]:
+        """(launcher, variant, fields) of the combine's pack and reduce, with the tensors (or
+        stand-ins) of `t`: x, weights, each handle tensor it reads, send_counts, pos, then the
+        allocations of `_combine_allocations`."""
+        b = self.backend
+        R, M, H = b.num_ranks, handle.num_max_tokens_per_rank, b.config.hidden
+        T, K = handle.tensors["topk_idx"].shape
+        sync = handle.do_cpu_sync
+        vec = 8 if H % 8 == 0 else 4 if H % 4 == 0 else 2
+        common = dict(K=K, BLOCK_K=next_power_of_2(K), BLOCK_R=next_power_of_2(R),
+                      BLOCK_F=kernels.BLOCK_F, ROWS=COMBINE_ROWS, VEC=vec,
+                      BLOCK_H=BLOCK_H, num_warps=COMBINE_WARPS)
+        record_words, meta_off = record.nbytes // 4, record.meta // 4
+        pack = self._launcher(kernels.combine_pack_kernel, **common), vec, dict(
+            x_addr=t["x"].data_ptr(), hidden=H, num_ranks=R, max_tokens=M, exact=int(sync),
+            rank_psum=t["psum_num_recv_tokens_per_scaleup_rank"],
+            num_rows=handle.num_recv_tokens, send_addr=t["send"].data_ptr(),
+            record_words=record_words, meta_off=meta_off, metadata=t["recv_src_metadata"],
+            expand=int(handle.do_expand), w_ptr=t["weights"], has_w=int(has_w),
+            fields_ptr=header, seq_ptr=b._seq, bump=int(not b._host_transport))
+        dtypes = [bias.dtype for bias in biases] or [torch.bfloat16]  # (no bias: `out`)
+        bias0 = t["biases"][0] if biases else t["out"]
+        bias1 = t["biases"][1] if len(biases) > 1 else bias0
+        reduce = self._launcher(kernels.combine_reduce_kernel, **common), \
+            (handle.tensors["topk_idx"].dtype, dtypes[0], dtypes[-1]), dict(
+                recv_addr=t["returned"].data_ptr(), record_words=record_words,
+                meta_off=meta_off, num_ranks=R, max_tokens=M, exact=int(sync),
+                send_counts=t["send_counts"], idx_ptr=t["topk_idx"], num_tokens=T,
+                num_experts=handle.num_experts, pos_ptr=t["pos"], bias0=bias0, bias1=bias1,
+                num_bias=len(biases), out_ptr=t["out"], hidden=H, has_w=int(has_w),
+                w_out=t["w_out"] if has_w else t["weights"],
+                check=int(not b._host_transport), fields_ptr=header, seq_ptr=b._seq,
+                flags_ptr=b._flags)
+        return [pack, reduce]
+
+    def _prepare_combine(self, key: Hashable, handle: EPHandle, x: torch.Tensor,
+                         weights: Optional[torch.Tensor], biases: tuple, record: "_Record",
+                         header: torch.Tensor) -> Optional["CombinePlan"]:
+        """The prepared combine of this call shape (`CombinePlan`), None while a kernel is
+        not kept (the first call compiles them)."""
+        callers = _combine_callers(handle, x, weights, biases)
+        allocations = self._combine_allocations(handle, record, False)
+        names = [*_combine_names(weights is not None, len(biases)),
+                 *[name for name, *_ in allocations]]
+        t = {name: Address(at) for at, name in enumerate(names)}
+        t["biases"] = [t[f"bias{i}"] for i in range(len(biases))]
+        if weights is None:
+            t["weights"] = self.no_weights
+        launches = self._combine_launches(handle, weights is not None, biases, record, header,
+                                          t)
+        if not all(launcher.kept(variant) for launcher, variant, _ in launches):
+            return None
+        plan = CombinePlan(self, [(shape, dtype) for _, shape, dtype, _ in allocations],
+                           len(callers), [(launcher, variant, launcher.template(fields, 0))
+                                          for launcher, variant, fields in launches],
+                           weights is not None)
+        remember(self.combine_plans, key, plan)
+        return plan
+
+
+# The handle tensors a combine reads, in a prepared combine's slot order (after x, weights and
+# the biases; `_combine_callers`), then the kernel state's send_counts and pos.
+_HANDLE_READS = ("psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata", "topk_idx")
+
+
+def _combine_names(has_w: bool, num_bias: int) -> list[str]:
+    """The names of a combine's caller tensors in slot order (`_combine_callers`)."""
+    return ["x", *(["weights"] if has_w else []), *[f"bias{i}" for i in range(num_bias)],
+            *_HANDLE_READS, "send_counts", "pos"]
+
+
+def _combine_callers(handle: EPHandle, x: torch.Tensor, weights: Optional[torch.Tensor],
+                     biases: tuple) -> list[torch.Tensor]:
+    """A combine's caller tensors (its inputs and what it reads of the handle), in a prepared
+    combine's slot order (`_combine_names`)."""
+    state: KernelState = handle.backend_state
+    return [x, *([weights] if weights is not None else []), *biases,
+            *[handle.tensors[name] for name in _HANDLE_READS], state.send_counts, state.pos]
+
+
+class CombinePlan:
+    """A combine over NCCL of one call shape after a sync-free dispatch: the pack and reduce
+    launches kept as templates (slots: the caller tensors of `_combine_callers`, then the
+    allocations: send and receive rows, the outputs)."""
+
+    def __init__(self, path: KernelPath, shapes: Sequence[tuple], num_callers: int,
+                 launches: list, has_w: bool) -> None:
+        self.path, self.shapes, self.num_callers = path, shapes, num_callers
+        self._makers = empty_makers(shapes, path.backend.device)
+        self.launches, self.has_w = launches, has_w
+
+    def takes(self, addresses: Sequence[int]) -> bool:
+        """Each address 16-byte aligned, and both kernels still kept."""
+        return addresses_aligned(addresses) and all(
+            launcher.kept(variant) for launcher, variant, _ in self.launches)
+
+    def run(self, addresses: Sequence[int], alloc) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        send, returned, *outputs = alloc.empty_all(self.shapes, self._makers)
+        values = [*addresses, send.data_ptr(), returned.data_ptr(),
+                  *[tensor.data_ptr() for tensor in outputs]]
+        (pack, pack_variant, pack_args), (reduce, reduce_variant, reduce_args) = self.launches
+        pack.launch_filled(pack_variant, None, pack_args.fill(values[:pack_args.slots]))
+        self.path.backend._all_to_all("combine", returned, send)
+        reduce.launch_filled(reduce_variant, None, reduce_args.fill(values[:reduce_args.slots]))
+        return outputs[0], outputs[1] if self.has_w else None
