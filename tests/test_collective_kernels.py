@@ -40,12 +40,13 @@ def test_kernel_path(num_ranks: int) -> None:
     assert run_local_ranks(run_kernel_path, num_ranks, SEED) == [4] * num_ranks
 
 
-def run_prepared_calls(seed: int) -> tuple[int, int]:
-    """Sync-free dispatches of one call shape after the first, and their combines, are
-    prepared calls (`collective_kernels.DispatchPlan` and `CombinePlan`: templates filled with
-    the call's addresses). Run here under the interpreter: each filled launch has its int
-    addresses mapped back to the tensors they belong to (the interpreter takes tensors for
-    pointer parameters)."""
+def run_prepared_calls(seed: int) -> tuple[int, int, int]:
+    """Dispatches of one call shape after the first, sync-free and synchronizing, and the
+    combines of sync-free ones are prepared calls (`collective_kernels.DispatchPlan`,
+    `SyncDispatchPlan` and `CombinePlan`: templates filled with the call's addresses and
+    sizes). Run here under the interpreter: each filled launch has its int addresses mapped
+    back to the tensors they belong to (the interpreter takes tensors for pointer
+    parameters)."""
     from epcomm import buffer as buffer_module
     from epcomm.backends import collective_kernels
     from epcomm.backends.base import OutputAllocator
@@ -56,7 +57,7 @@ def run_prepared_calls(seed: int) -> tuple[int, int]:
     backend._host_transport = False  # as over NCCL: no header exchange on the host
     buffer._backend = backend
     live: dict[int, object] = {}
-    runs, combines = [], []
+    runs, syncs, combines = [], [], []
 
     def remember(*tensors):
         live.update((t.data_ptr(), t) for t in tensors if isinstance(t, torch.Tensor))
@@ -70,9 +71,19 @@ def run_prepared_calls(seed: int) -> tuple[int, int]:
         remember(*tensors)
         return tensors
 
+    def empty(self, shape, dtype):
+        tensor = real_empty(self, shape, dtype)
+        remember(tensor)
+        return tensor
+
+    def exchange_headers(self, *args):
+        received, table = real_exchange(self, *args)
+        remember(received)
+        return received, table
+
     def launch_filled(self, variant, stream, args):
         remember(backend._flags, backend._seq, backend._kernels.no_weights,
-                 *backend._headers.values())
+                 backend._kernels.experts, *backend._headers.values())
         ints = self.fn.kwargs["do_not_specialize"]
         values = [live[value] if name not in ints else value
                   for name, value in zip(self.params, args)]
@@ -81,6 +92,10 @@ def run_prepared_calls(seed: int) -> tuple[int, int]:
     def run(self, *args):
         runs.append(self.call.expand)
         return real_run(self, *args)
+
+    def run_sync(self, *args):
+        syncs.append(self.call.expand)
+        return real_run_sync(self, *args)
 
     def combine_callers(*args):
         tensors = real_callers(*args)
@@ -92,33 +107,40 @@ def run_prepared_calls(seed: int) -> tuple[int, int]:
         return real_run_combine(self, *args)
 
     real_call_key, real_empty_all = buffer_module.call_key, OutputAllocator.empty_all
+    real_empty, real_exchange = OutputAllocator.empty, CollectiveBackend._exchange_headers
     real_run = collective_kernels.DispatchPlan.run
+    real_run_sync = collective_kernels.SyncDispatchPlan.run
     real_callers = collective_kernels._combine_callers
     real_run_combine = collective_kernels.CombinePlan.run
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(buffer_module, "call_key", call_key)
         patch.setattr(OutputAllocator, "empty_all", empty_all)
+        patch.setattr(OutputAllocator, "empty", empty)
+        patch.setattr(CollectiveBackend, "_exchange_headers", exchange_headers)
+        patch.setattr(collective_kernels.SyncDispatchPlan, "run", run_sync)
         patch.setattr(Launcher, "kept", lambda self, variant: True)
         patch.setattr(Launcher, "launch_filled", launch_filled)
         patch.setattr(collective_kernels, "INTERPRET", False)
         patch.setattr(collective_kernels.DispatchPlan, "run", run)
         patch.setattr(collective_kernels, "_combine_callers", combine_callers)
         patch.setattr(collective_kernels.CombinePlan, "run", run_combine)
-        for expand in (False, True):
-            for repeat in range(3):
-                case = Case(num_experts=4 * buffer.num_ranks, do_expand=expand,
-                            do_cpu_sync=False, expert_alignment=4 if expand else 1,
-                            num_bias=repeat, routing="skewed",
-                            seed=seed + 10 * expand + repeat)
-                check_round_trip(buffer, case)
-    return len(runs), len(combines)
+        for sync in (False, True):
+            for expand in (False, True):
+                for repeat in range(3):
+                    case = Case(num_experts=4 * buffer.num_ranks, do_expand=expand,
+                                do_cpu_sync=sync, expert_alignment=4 if expand else 1,
+                                num_bias=repeat, routing="skewed",
+                                seed=seed + 20 * sync + 10 * expand + repeat)
+                    check_round_trip(buffer, case)
+    return len(runs), len(syncs), len(combines)
 
 
-def test_prepared_calls_bitwise() -> None:
-    # every dispatch and combine runs a plan (`kept` is patched: nothing to compile first),
-    # the first dispatch of each layout made by the backend, the later ones taken straight
-    # from the buffer
-    assert run_local_ranks(run_prepared_calls, 1, SEED) == [(6, 6)]
+@pytest.mark.parametrize("num_ranks", [1, 2])
+def test_prepared_calls_bitwise(num_ranks: int) -> None:
+    # every dispatch runs a plan, and every combine of a sync-free dispatch (`kept` is
+    # patched: nothing to compile first), the first dispatch of each shape made by the
+    # backend, the later ones taken straight from the buffer
+    assert run_local_ranks(run_prepared_calls, num_ranks, SEED) == [(6, 6, 6)] * num_ranks
 
 
 def run_invalid_id_synchronizing(seed: int) -> str:

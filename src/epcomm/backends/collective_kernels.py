@@ -15,7 +15,7 @@ allocates, fills the templates and launches.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Hashable, Optional, Sequence
+from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
 
 import torch
 
@@ -156,11 +156,67 @@ class DispatchPlan:
         t = dict(zip(self.names, tensors))
         for at, (launcher, variant, template) in enumerate(self.launches):
             if at == 2:  # after count and pack
-                self.path.all_to_all_on(stream, "dispatch", t["recv"], t["send"], None, None)
+                self.path.issue_on(stream, self.path.backend._all_to_all, "dispatch", t["recv"],
+                                   t["send"])
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         if not self.call.copy_idx:
             t["idx_copy"] = topk_idx
         return self.path.result(self.call, self.sizes, t, None, False)
+
+
+class SyncDispatchPlan:
+    """A synchronizing dispatch over NCCL of one call shape (`base.PreparedDispatch`): the
+    count and header launches, the count exchange and its one host read, then the allocations
+    of the sizes read and the other four launches, each filled from a template. Slots: the
+    caller's tensors (`base.caller_tensors`), the counts, the slots-per-expert accumulator, the
+    count rows, the exchanged rows, the allocations of `KernelPath._allocations` in order, then
+    two ints: the compact output rows and the expand bound (`KernelPath._bound`)."""
+
+    def __init__(self, path: "KernelPath", call: _Call,
+                 first: Sequence[tuple[str, tuple, torch.dtype, bool]], names: Sequence[str],
+                 launches: list) -> None:
+        self.path, self.call = path, call
+        self.shapes = [(shape, dtype) for _, shape, dtype, _ in first]
+        self._makers = empty_makers(self.shapes, path.backend.device)
+        self.names = names
+        self.launches = launches  # (launcher, variant, ArgTemplate): count, header, pack, rest
+
+    def takes(self, addresses: Sequence[int]) -> bool:
+        """Each address 16-byte aligned, and every kernel still kept."""
+        return addresses_aligned(addresses) and all(
+            launcher.kept(variant) for launcher, variant, _ in self.launches)
+
+    def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
+            stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
+        path, call = self.path, self.call
+        b = path.backend
+        b._check_usable()
+        counts, rows = alloc.empty_all(self.shapes, self._makers)
+        values = [*addresses, counts.data_ptr(), path._experts(call.num_experts).data_ptr(),
+                  rows.data_ptr()]
+        count, header, pack, *rest = self.launches
+        for launcher, variant, template in (count, header):
+            launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
+        received, table = path.issue_on(stream, b._exchange_headers,
+                                        "dispatch (count exchange)", rows)
+        sizes, flags = path._sizes(call, None, table)
+        tensors = [alloc.empty(shape, dtype) for _, shape, dtype, _ in
+                   path._allocations(call, sizes)]
+        values += [received.data_ptr(), *[tensor.data_ptr() for tensor in tensors],
+                   sizes.num_rows, path._bound(call, sizes)]
+        t = dict(zip(self.names, tensors), exact_counts=received)
+        launcher, variant, template = pack
+        launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
+        path.issue_on(stream, b._all_to_all, "dispatch", t["recv"], t["send"],
+                      [n + 1 for n in sizes.recv_splits], [n + 1 for n in sizes.send_splits])
+        for launcher, variant, template in rest:
+            launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
+        if flags:  # (after the call: every rank finishes it, as its peers do)
+            b._flags.bitwise_and_(~flags)
+            raise errors.flags_error(flags, f"rank {b.rank}: dispatch", b.config.timeout_s)
+        if not call.copy_idx:
+            t["idx_copy"] = topk_idx
+        return path.result(call, sizes, t, None, True)
 
 
 class KernelPath:
@@ -196,25 +252,24 @@ class KernelPath:
     def _launch(self, fn, variant, fields: dict, **constants) -> None:
         self._launcher(fn, **constants)(variant, None, fields)
 
-    def all_to_all_on(self, stream: Optional["torch.cuda.Stream"], stage: str,
-                      out: torch.Tensor, inp: torch.Tensor, out_splits, in_splits) -> None:
-        """The backend's all-to-all, issued from `stream` (None: the current stream)."""
-        b = self.backend
+    def issue_on(self, stream: Optional["torch.cuda.Stream"], fn, *args):
+        """`fn(*args)` (a transport call of the backend, which issues on the current stream)
+        with `stream` current (None: the current stream)."""
         if stream is None or stream.cuda_stream == \
-                torch.cuda.current_stream(b.device).cuda_stream:
-            b._all_to_all(stage, out, inp, out_splits, in_splits)
-        else:
-            with torch.cuda.stream(stream):
-                b._all_to_all(stage, out, inp, out_splits, in_splits)
+                torch.cuda.current_stream(self.backend.device).cuda_stream:
+            return fn(*args)
+        with torch.cuda.stream(stream):
+            return fn(*args)
 
     # -- dispatch --------------------------------------------------------------------------
     def prepared(self, key: Hashable) -> Optional[DispatchPlan]:
         return self.plans.get(key)
 
     def _preparable(self, request: DispatchRequest) -> bool:
-        """A sync-free call without a handle over NCCL (no host exchange), with a call key."""
+        """A call without a handle over NCCL (no header exchange on the host), with a call
+        key."""
         return request.key is not None and request.cached is None and \
-            self.backend._dispatch_exchange(request) is None and not INTERPRET
+            not self.backend._host_transport and not INTERPRET
 
     def _counts_allocation(self) -> tuple[str, tuple, torch.dtype, bool]:
         """The count kernel's output, allocated before the rest (`_allocations`)."""
@@ -262,14 +317,16 @@ class KernelPath:
         return dict(K=call.num_topk, BLOCK_K=next_power_of_2(call.num_topk),
                     BLOCK_R=next_power_of_2(self.backend.num_ranks))
 
-    def _launches(self, call: _Call, sizes: _Sizes, t: dict, header: torch.Tensor,
-                  exchanged: bool) -> list[tuple]:
+    def _launches(self, call: _Call, t: dict, header: torch.Tensor, exchanged: bool,
+                  exact: bool, num_rows, bound) -> list[tuple]:
         """(launcher, variant, fields) of pack, unpack, expert prefix and expand, with the
-        tensors (or stand-ins) of `t`."""
+        tensors (or stand-ins) of `t`, over exact blocks or padded ones; `num_rows` (compact
+        output rows) and `bound` (`_bound`) are ints, or stand-ins of a prepared call's
+        per-call ints."""
         b = self.backend
         R, M, K, E = b.num_ranks, call.max_tokens, call.num_topk, call.num_experts
         num_local = E // R
-        vec, common, exact = call.vec, self._common(call), int(sizes.send_splits is not None)
+        vec, common, exact = call.vec, self._common(call), int(exact)
         block_p = max(2, next_power_of_2(self.programs))
         block_e = next_power_of_2(max(num_local, 1))
         pack = self._launcher(kernels.pack_kernel, BLOCK_P=block_p, BLOCK_F=kernels.BLOCK_F,
@@ -287,7 +344,7 @@ class KernelPath:
         o0 = t["out0"] if not call.expand else t["p0"]
         o1 = t.get("out1", o0) if not call.expand else o0
         layout = dict(recv_addr=t["recv"].data_ptr(), record_words=call.record_words,
-                      num_ranks=R, max_tokens=M, exact=exact, num_rows=sizes.num_rows,
+                      num_ranks=R, max_tokens=M, exact=exact, num_rows=num_rows,
                       num_local=num_local, w0=call.w0, w1=call.w1, off1=call.off1,
                       meta_off=call.meta_off, expand=int(call.expand),
                       zero_padding=int(call.zero_padding), has_w=int(call.has_w),
@@ -308,8 +365,6 @@ class KernelPath:
             hist_ptr=t["hist"], num_local=num_local, expert_counts_out=t["expert_counts"])
         e0 = t["out0"] if call.expand else o0
         e1 = t.get("out1", e0) if call.expand else o1
-        bound = sizes.num_expanded if call.expand else \
-            sizes.num_rows * K + call.alignment * num_local
         expand = self._launcher(kernels.expand_kernel, BLOCK_E=block_e, GROUP=GROUP,
                                 ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), vec, dict(
             layout, rank_psum=t["rank_psum"], alignment=call.alignment, capacity=bound,
@@ -326,32 +381,46 @@ class KernelPath:
                                        device=self.backend.device)
         return self.experts[:num_experts]
 
-    def _count_rows(self, call: _Call, t: dict, header: torch.Tensor,
-                    sizes_read: bool) -> torch.Tensor:
-        """The rows a dispatch's count exchange sends (`kernels.header_kernel`; with
-        `sizes_read` the words every size of the call comes from: see `_sizes`), after its
-        count launch."""
+    def _count_rows_allocation(self, call: _Call, sizes_read: bool,
+                               ) -> tuple[str, tuple, torch.dtype, bool]:
+        """The rows a dispatch's count exchange sends: the header, then with `sizes_read`
+        the words every size of the call comes from (see `_sizes`)."""
+        R = self.backend.num_ranks
+        words = _HEADER_WORDS + (1 + R + call.num_experts // R if sizes_read else 0)
+        return "count rows", (R, words), torch.int64, False
+
+    def _header_launch(self, call: _Call, t: dict, header: torch.Tensor,
+                       sizes_read: bool) -> tuple:
+        """The launch that fills t["count rows"] after the count launch
+        (`kernels.header_kernel`)."""
         b = self.backend
         R, num_local = b.num_ranks, call.num_experts // b.num_ranks
-        words = _HEADER_WORDS + (1 + R + num_local if sizes_read else 0)
-        rows = b._workspace.tensor("count rows", (R, words), torch.int64)
-        launcher = self._launcher(
+        _, (_, words), _, _ = self._count_rows_allocation(call, sizes_read)
+        return self._launcher(
             kernels.header_kernel, programs=1, BLOCK_P=max(2, next_power_of_2(self.programs)),
             BLOCK_R=next_power_of_2(R), BLOCK_E=min(next_power_of_2(max(num_local, 1)), 1024),
-            BLOCK_F=next_power_of_2(_HEADER_WORDS + 1))
-        launcher((), None, dict(
-            counts_ptr=t["counts"], num_programs=self.programs, num_ranks=R, flags_ptr=b._flags,
-            experts_ptr=t["experts"], num_local=num_local, fields_ptr=header, seq_ptr=b._seq,
-            rows_ptr=rows, row_words=words, extra=int(sizes_read)))
-        return rows
+            BLOCK_F=next_power_of_2(_HEADER_WORDS + 1)), (), dict(
+                counts_ptr=t["counts"], num_programs=self.programs, num_ranks=R,
+                flags_ptr=b._flags, experts_ptr=t["experts"], num_local=num_local,
+                fields_ptr=header, seq_ptr=b._seq, rows_ptr=t["count rows"], row_words=words,
+                extra=int(sizes_read))
 
-    def _sizes(self, call: _Call, request: DispatchRequest,
+    def _bound(self, call: _Call, sizes: _Sizes) -> int:
+        """The expand rows a call may fill (`expand_kernel`'s capacity): the expand output's in
+        the expand layout, else every pair's aligned row (the handle's expand rows)."""
+        num_local = call.num_experts // self.backend.num_ranks
+        return sizes.num_expanded if call.expand else \
+            sizes.num_rows * call.num_topk + call.alignment * num_local
+
+    def _sizes(self, call: _Call, cached: Optional[EPHandle],
                table: Optional[list[list[int]]]) -> tuple[_Sizes, int]:
-        """The call's sizes, and the error flag its count exchange carried (0 if none)."""
+        """The call's sizes, and the error flag its count exchange carried (0 if none): a
+        cached call's, those a synchronizing call's count exchange gave (`table`), else the
+        capacity."""
         b = self.backend
         R, M = b.num_ranks, call.max_tokens
         num_local = call.num_experts // R
-        cached, flags = request.cached, 0
+        flags = 0
         send_splits = recv_splits = counts_list = None
         if cached is not None:
             state: KernelState = cached.backend_state
@@ -359,7 +428,7 @@ class KernelPath:
                 send_splits, recv_splits = state.send_splits, state.recv_splits
             counts_list = cached.num_recv_tokens_per_expert_list
             num_expanded = cached.num_expanded_tokens if call.expand else 0
-        elif call.sync:
+        elif call.sync and table is not None:
             # After the header: this rank's error flag and its records for every rank (each
             # rank reads its own in the row it sent itself), then the slots sent to each of
             # the receiver's local experts.
@@ -399,19 +468,24 @@ class KernelPath:
         launcher(variant, None, fields)
         table, t["exact_counts"] = None, b._seq  # (exact counts: none, the kernel reads none)
         if exchange:
-            received, table = b._exchange_headers(exchange, self._count_rows(
-                call, t, header, sizes_read))
+            name, shape, dtype, _ = self._count_rows_allocation(call, sizes_read)
+            t[name] = b._workspace.tensor(name, shape, dtype)
+            launcher, variant, fields = self._header_launch(call, t, header, sizes_read)
+            launcher(variant, None, fields)
+            received, table = b._exchange_headers(exchange, t[name])
         if sizes_read:
             t["exact_counts"] = received
         elif call.sync:
             t["exact_counts"] = request.cached.backend_state.recv_counts
-        sizes, flags = self._sizes(call, request, table)
+        sizes, flags = self._sizes(call, request.cached, table)
         for name, shape, dtype, output in self._allocations(call, sizes):
             t[name] = request.alloc.empty(shape, dtype) if output else \
                 b._workspace.tensor(name, shape, dtype)
         if not call.copy_idx:
             t["idx_copy"] = topk_idx
-        pack, *rest = self._launches(call, sizes, t, header, bool(exchange))
+        pack, *rest = self._launches(call, t, header, bool(exchange),
+                                     sizes.send_splits is not None, sizes.num_rows,
+                                     self._bound(call, sizes))
         pack[0](pack[1], None, pack[2])
         b._all_to_all("dispatch", t["recv"], t["send"],
                       None if sizes.recv_splits is None else [n + 1 for n in sizes.recv_splits],
@@ -423,28 +497,44 @@ class KernelPath:
             raise errors.flags_error(flags, f"rank {b.rank}: dispatch", b.config.timeout_s)
         return self.result(call, sizes, t, request.cached, sizes_read)
 
-    def _prepare(self, request: DispatchRequest, call: _Call,
-                 header: torch.Tensor) -> Optional[DispatchPlan]:
-        """The plan of this call shape (`DispatchPlan`), None while a kernel is not kept (the
-        first call compiles them)."""
+    def _prepare(self, request: DispatchRequest, call: _Call, header: torch.Tensor,
+                 ) -> Union[DispatchPlan, SyncDispatchPlan, None]:
+        """The plan of this call shape (`DispatchPlan`, or `SyncDispatchPlan` for a
+        synchronizing call), None while a kernel is not kept (the first call compiles
+        them)."""
         b = self.backend
-        sizes, _ = self._sizes(call, request, None)
+        sizes, _ = self._sizes(call, None, None)  # (the capacity: names and dtypes)
         callers = caller_tensors(request.rows, request.topk_idx, request.topk_weights)
         slots = {id(tensor): Address(at) for at, tensor in enumerate(callers)}
-        allocations = [self._counts_allocation(), *self._allocations(call, sizes)]
-        t = {name: Address(len(callers) + at) for at, (name, *_) in enumerate(allocations)}
+        first = [self._counts_allocation()]
+        names = ["counts"]
+        if call.sync:
+            first.append(self._count_rows_allocation(call, True))
+            names += ["experts", first[1][0], "exact_counts"]
+        allocations = self._allocations(call, sizes)
+        names += [name for name, *_ in allocations]
+        t = {name: Address(len(callers) + at) for at, name in enumerate(names)}
         t.update(idx=slots[id(request.topk_idx)], p0=slots[id(request.rows[0])],
-                 p1=slots[id(request.rows[-1])], experts=b._seq,
+                 p1=slots[id(request.rows[-1])],
                  weights=slots[id(request.topk_weights)] if call.has_w else self.no_weights)
         t.setdefault("idx_copy", t["idx"])
-        t["exact_counts"] = b._seq  # (padded blocks: not read)
-        launches = [self._count_launch(call, t, False),
-                    *self._launches(call, sizes, t, header, False)]
+        num_rows, bound = sizes.num_rows, self._bound(call, sizes)
+        if call.sync:  # exact blocks: the rows exchanged and two ints per call
+            t["exact_counts"].shape = first[1][1]
+            num_rows, bound = Address(len(callers) + len(names)), \
+                Address(len(callers) + len(names) + 1)
+        else:
+            t.update(experts=b._seq, exact_counts=b._seq)  # (not read)
+        launches = [self._count_launch(call, t, call.sync),
+                    *([self._header_launch(call, t, header, True)] if call.sync else []),
+                    *self._launches(call, t, header, call.sync, call.sync, num_rows, bound)]
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
             return None
-        plan = DispatchPlan(self, call, sizes, allocations, [
-            (launcher, variant, launcher.template(fields, 0))
-            for launcher, variant, fields in launches])
+        templates = [(launcher, variant, launcher.template(fields, 0))
+                     for launcher, variant, fields in launches]
+        plan = SyncDispatchPlan(self, call, first, [name for name, *_ in allocations],
+                                templates) if call.sync else \
+            DispatchPlan(self, call, sizes, first + allocations, templates)
         remember(self.plans, request.key, plan)
         return plan
 
