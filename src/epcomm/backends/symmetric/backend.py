@@ -35,11 +35,15 @@ _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs)
 # 128 that 16 warps allow.
 _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=1024,
                  combine_warps=16)
-# Tokens per program of the default grid. At 128 tokens (EP=1, hidden 7168, top-8, 256
-# experts, H200) the kernels' fixed costs shrink with more programs up to about 32: dispatch
-# compact / expand 39.3 / 78.1 us of kernel time on 8 programs (one per 16 tokens), 23.6 / 44.0
-# on 32; 64 programs traced no faster than 32. 4096 tokens take every SM either way.
+# Tokens per program of the default grid, and its least programs. At 128 tokens (EP=1, hidden
+# 7168, top-8, 256 experts, H200) the kernels' fixed costs shrink with more programs up to
+# about 32: dispatch compact / expand 39.3 / 78.1 us of kernel time on 8 programs (one per 16
+# tokens), 23.6 / 44.0 on 32; 64 programs traced no faster than 32. The fixed work (the
+# per-expert steps) does not shrink with the tokens, so a buffer for fewer tokens keeps 32
+# programs (one program for M = 1 made a graph replay of dispatch + combine 115 us against 48
+# at M = 128, H100). 4096 tokens take every SM either way.
 _TOKENS_PER_PROGRAM = 4
+_MIN_PROGRAMS = 32
 _CPU_TILE = dict(rows=4, block_w=64, num_warps=1, combine_rows=4, block_h=64, combine_warps=1)
 
 
@@ -137,14 +141,15 @@ class SymmetricBackend(Backend):
 
     def _programs(self, num_sms: Optional[int]) -> int:
         """P, the programs of every kernel: `num_sms` if given, else one per
-        `_TOKENS_PER_PROGRAM` tokens up to the SM count. Every program of a launch must be
-        resident at once (grid barriers), so at most the SM count; 1 under the interpreter,
-        which runs programs one after another."""
+        `_TOKENS_PER_PROGRAM` tokens, at least `_MIN_PROGRAMS`, up to the SM count. Every
+        program of a launch must be resident at once (grid barriers), so at most the SM count;
+        1 under the interpreter, which runs programs one after another."""
         if INTERPRET or self.device.type != "cuda":
             return 1
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         if num_sms is None:
-            num_sms = -(-self.config.num_max_tokens_per_rank // _TOKENS_PER_PROGRAM)
+            num_sms = max(_MIN_PROGRAMS,
+                          -(-self.config.num_max_tokens_per_rank // _TOKENS_PER_PROGRAM))
         return max(1, min(int(num_sms), sms))
 
     def receive_scratch(self, num_local: int, stream=None) -> torch.Tensor:
