@@ -128,7 +128,19 @@ class _Sizes:
         return sum(splits) + num_ranks if splits is not None else num_ranks * (max_tokens + 1)
 
 
-class DispatchPlan:
+class _Plan:
+    """What every prepared call of the kernel path has: `launches`, (launcher, variant,
+    ArgTemplate) each, filled per call."""
+
+    launches: list
+
+    def takes(self, addresses: Sequence[int]) -> bool:
+        """Each address 16-byte aligned, and every kernel still kept."""
+        return addresses_aligned(addresses) and all(
+            launcher.kept(variant) for launcher, variant, _ in self.launches)
+
+
+class DispatchPlan(_Plan):
     """A sync-free dispatch over NCCL of one call shape (`base.PreparedDispatch`). Template
     slots: the caller's tensors (`base.caller_tensors`), then the allocations in `names`'
     order."""
@@ -140,12 +152,7 @@ class DispatchPlan:
         self.names = [name for name, *_ in allocations]
         self.shapes = [(shape, dtype) for _, shape, dtype, _ in allocations]
         self._makers = empty_makers(self.shapes, path.backend.device)
-        self.launches = launches  # (launcher, variant, ArgTemplate): count, pack, the rest
-
-    def takes(self, addresses: Sequence[int]) -> bool:
-        """Each address 16-byte aligned, and every kernel still kept."""
-        return addresses_aligned(addresses) and all(
-            launcher.kept(variant) for launcher, variant, _ in self.launches)
+        self.launches = launches  # count, pack, the rest
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -164,7 +171,7 @@ class DispatchPlan:
         return self.path.result(self.call, self.sizes, t, None, False)
 
 
-class SyncDispatchPlan:
+class SyncDispatchPlan(_Plan):
     """A synchronizing dispatch over NCCL of one call shape (`base.PreparedDispatch`): the
     count and header launches, the count exchange and its one host read, then the allocations
     of the sizes read and the other four launches, each filled from a template. Slots: the
@@ -179,12 +186,7 @@ class SyncDispatchPlan:
         self.shapes = [(shape, dtype) for _, shape, dtype, _ in first]
         self._makers = empty_makers(self.shapes, path.backend.device)
         self.names = names
-        self.launches = launches  # (launcher, variant, ArgTemplate): count, header, pack, rest
-
-    def takes(self, addresses: Sequence[int]) -> bool:
-        """Each address 16-byte aligned, and every kernel still kept."""
-        return addresses_aligned(addresses) and all(
-            launcher.kept(variant) for launcher, variant, _ in self.launches)
+        self.launches = launches  # count, header, pack, the rest
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -211,9 +213,7 @@ class SyncDispatchPlan:
                       [n + 1 for n in sizes.recv_splits], [n + 1 for n in sizes.send_splits])
         for launcher, variant, template in rest:
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
-        if flags:  # (after the call: every rank finishes it, as its peers do)
-            b._flags.bitwise_and_(~flags)
-            raise errors.flags_error(flags, f"rank {b.rank}: dispatch", b.config.timeout_s)
+        path.raise_flags(flags)
         if not call.copy_idx:
             t["idx_copy"] = topk_idx
         return path.result(call, sizes, t, None, True)
@@ -260,6 +260,14 @@ class KernelPath:
             return fn(*args)
         with torch.cuda.stream(stream):
             return fn(*args)
+
+    def raise_flags(self, flags: int) -> None:
+        """Raise (and clear) what a dispatch's count exchange carried of this rank's error flag
+        (`flags`, 0 for none), once the call has completed, as every peer's does."""
+        if flags:
+            b = self.backend
+            b._flags.bitwise_and_(~flags)
+            raise errors.flags_error(flags, f"rank {b.rank}: dispatch", b.config.timeout_s)
 
     # -- dispatch --------------------------------------------------------------------------
     def prepared(self, key: Hashable) -> Optional[DispatchPlan]:
@@ -492,9 +500,7 @@ class KernelPath:
                       None if sizes.send_splits is None else [n + 1 for n in sizes.send_splits])
         for launcher, variant, fields in rest:
             launcher(variant, None, fields)
-        if flags:  # (after the call: every rank finishes it, as its peers do)
-            b._flags.bitwise_and_(~flags)
-            raise errors.flags_error(flags, f"rank {b.rank}: dispatch", b.config.timeout_s)
+        self.raise_flags(flags)
         return self.result(call, sizes, t, request.cached, sizes_read)
 
     def _prepare(self, request: DispatchRequest, call: _Call, header: torch.Tensor,
@@ -592,7 +598,7 @@ class KernelPath:
                    handle.num_experts, handle.do_expand, weights is not None,
                    tuple(bias.dtype for bias in biases))
             plan = self.combine_plans.get(key) or self._prepare_combine(
-                key, handle, x, weights, biases, record, header)
+                key, handle, weights, biases, record, header)
             if plan is not None:
                 addresses = [tensor.data_ptr() for tensor in
                              _combine_callers(handle, x, weights, biases)]
@@ -667,12 +673,11 @@ class KernelPath:
                 flags_ptr=b._flags)
         return [pack, reduce]
 
-    def _prepare_combine(self, key: Hashable, handle: EPHandle, x: torch.Tensor,
+    def _prepare_combine(self, key: Hashable, handle: EPHandle,
                          weights: Optional[torch.Tensor], biases: tuple, record: "_Record",
                          header: torch.Tensor) -> Optional["CombinePlan"]:
         """The prepared combine of this call shape (`CombinePlan`), None while a kernel is
         not kept (the first call compiles them)."""
-        callers = _combine_callers(handle, x, weights, biases)
         allocations = self._combine_allocations(handle, record, False)
         names = [*_combine_names(weights is not None, len(biases)),
                  *[name for name, *_ in allocations]]
@@ -685,9 +690,8 @@ class KernelPath:
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
             return None
         plan = CombinePlan(self, [(shape, dtype) for _, shape, dtype, _ in allocations],
-                           len(callers), [(launcher, variant, launcher.template(fields, 0))
-                                          for launcher, variant, fields in launches],
-                           weights is not None)
+                           [(launcher, variant, launcher.template(fields, 0))
+                            for launcher, variant, fields in launches], weights is not None)
         remember(self.combine_plans, key, plan)
         return plan
 
@@ -712,21 +716,16 @@ def _combine_callers(handle: EPHandle, x: torch.Tensor, weights: Optional[torch.
             *[handle.tensors[name] for name in _HANDLE_READS], state.send_counts, state.pos]
 
 
-class CombinePlan:
+class CombinePlan(_Plan):
     """A combine over NCCL of one call shape after a sync-free dispatch: the pack and reduce
     launches kept as templates (slots: the caller tensors of `_combine_callers`, then the
     allocations: send and receive rows, the outputs)."""
 
-    def __init__(self, path: KernelPath, shapes: Sequence[tuple], num_callers: int,
-                 launches: list, has_w: bool) -> None:
-        self.path, self.shapes, self.num_callers = path, shapes, num_callers
+    def __init__(self, path: KernelPath, shapes: Sequence[tuple], launches: list,
+                 has_w: bool) -> None:
+        self.path, self.shapes = path, shapes
         self._makers = empty_makers(shapes, path.backend.device)
-        self.launches, self.has_w = launches, has_w
-
-    def takes(self, addresses: Sequence[int]) -> bool:
-        """Each address 16-byte aligned, and both kernels still kept."""
-        return addresses_aligned(addresses) and all(
-            launcher.kept(variant) for launcher, variant, _ in self.launches)
+        self.launches, self.has_w = launches, has_w  # pack, reduce
 
     def run(self, addresses: Sequence[int], alloc) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         send, returned, *outputs = alloc.empty_all(self.shapes, self._makers)
