@@ -1,4 +1,5 @@
-"""Sync-free dispatch on CUDA: no host synchronization, and capture in a CUDA graph.
+"""Sync-free dispatch on CUDA: no host synchronization (nor in a cached dispatch or a combine
+of a synchronizing dispatch's handle), and capture in a CUDA graph.
 
 One rank over NCCL (NCCL refuses two ranks on one GPU), so the collective backend runs fully
 on the device. Each replay gets new data and is checked bitwise against the reference.
@@ -38,6 +39,17 @@ def run_sync_debug(backend: str, seed: int) -> int:
         try:
             recv_x, _, recv_w, handle, _ = buffer.dispatch(x, idx, w, num_experts=8, do_cpu_sync=False,
                                                            do_expand=expand, expert_alignment=8)
+            buffer.dispatch(x, topk_weights=w, handle=handle)
+            buffer.combine(recv_x, handle, topk_weights=recv_w)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        # A synchronizing dispatch reads the host once; a cached dispatch with its handle and
+        # the combine of it read nothing.
+        recv_x, _, recv_w, handle, _ = buffer.dispatch(x, idx, w, num_experts=8, do_cpu_sync=True,
+                                                       do_expand=expand, expert_alignment=8)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             buffer.dispatch(x, topk_weights=w, handle=handle)
             buffer.combine(recv_x, handle, topk_weights=recv_w)
         finally:
