@@ -27,7 +27,8 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from epcomm.backends import collective_kernels as CK  # noqa: E402
 from epcomm.backends.symmetric.backend import _GPU_TILE as TILE  # noqa: E402
-from epcomm.kernels import collective, combine, dispatch  # noqa: E402
+from epcomm import low_latency as LL  # noqa: E402
+from epcomm.kernels import collective, combine, dispatch, low_latency  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536  # sm_90
@@ -65,6 +66,20 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
     collective.combine_reduce_kernel: dict(
         send_counts="i32", idx_ptr="i64", pos_ptr="i32", bias0="bf16", bias1="bf16",
         out_ptr="bf16", w_out="fp32", fields_ptr="i64", seq_ptr="i64", flags_ptr="i32"),
+    # V1's low-latency mode: FP8 dispatch, bf16 combine (as `epcomm.low_latency` launches them)
+    low_latency.ll_dispatch_send: dict(
+        bases_ptr="i64", x_ptr="i16", idx_ptr="i64", mask_ptr="i32", epoch_ptr="i64",
+        error_ptr="i32"),
+    low_latency.ll_dispatch_recv: dict(
+        bases_ptr="i64", mask_ptr="i32", epoch_ptr="i64", done_ptr="i64", error_ptr="i32",
+        recv_x_ptr="u8", scales_ptr="fp32", src_info_ptr="i32", slot_ptr="i32",
+        count_ptr="i32", range_ptr="i64", stats_ptr="i32", wait_ptr="i64"),
+    low_latency.ll_combine_send: dict(
+        bases_ptr="i64", mask_ptr="i32", epoch_ptr="i64", error_ptr="i32", x_ptr="i16",
+        src_info_ptr="i32", slot_ptr="i32", range_ptr="i64"),
+    low_latency.ll_combine_reduce: dict(
+        bases_ptr="i64", mask_ptr="i32", epoch_ptr="i64", done_ptr="i64", error_ptr="i32",
+        idx_ptr="i64", weights_ptr="fp32", out_ptr="i16", wait_ptr="i64"),
 }
 
 
@@ -73,6 +88,8 @@ def _constants(fn, shape) -> tuple[dict, int]:
     base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R))
     if fn.__module__ == collective.__name__:
         return _collective_constants(fn, base, K, vec)
+    if fn.__name__.startswith("ll_"):  # (a low-latency kernel, or a traced copy of one)
+        return _low_latency_constants(fn, base, R), LL._NUM_WARPS
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
             TILE["combine_warps"]
@@ -80,6 +97,21 @@ def _constants(fn, shape) -> tuple[dict, int]:
                  GROUP=dispatch.rank_group(TILE["rows"]))
     return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
         TILE["num_warps"]
+
+
+def _low_latency_constants(fn, base: dict, R: int) -> dict:
+    """The low-latency kernels' constants as `epcomm.low_latency` launches them (M = 128 tokens
+    per rank, 256 experts over R ranks, FP8 dispatch without rounded scales)."""
+    constants = dict(BLOCK_R=base["BLOCK_R"], BLOCK_C=LL._BLOCK_C, ALIGN=16)
+    if fn.__name__ == "ll_dispatch_send":
+        return dict(constants, USE_FP8=True, ROUND_SCALE=False, BLOCK_T=128,
+                    BLOCK_K=base["BLOCK_K"])
+    if fn.__name__ == "ll_dispatch_recv":
+        return dict(constants, USE_FP8=True, USE_UE8M0=False, BLOCK_K=base["BLOCK_K"],
+                    BLOCK_E=triton.next_power_of_2(256 // R))
+    if fn.__name__ == "ll_combine_send":
+        return dict(constants, ROWS=LL._ROWS, LOGFMT=False)
+    return dict(constants, BLOCK_K=base["BLOCK_K"], LOGFMT=False)
 
 
 def _collective_constants(fn, base: dict, K: int, vec: int) -> tuple[dict, int]:
@@ -120,8 +152,11 @@ def compile_kernel(fn, shape):
         else:
             signature[name] = "i64" if name == "timeout" or name.endswith("_addr") \
                 or name in ("p0_out", "p1_out") else "i32"
+    # Pointers are 16-byte aligned; the low-latency kernels specialize on `hidden` (7168 and
+    # the test shapes' hidden sizes are multiples of 16), as Triton does at run time.
+    specialized = set(pointers) | ({"hidden"} if fn.__name__.startswith("ll_") else set())
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if name in pointers}
+             if name in specialized}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps))
 

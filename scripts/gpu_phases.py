@@ -1,23 +1,27 @@
-"""Where the dispatch kernel's GPU time goes, phase by phase (GPU machine, EP=1).
+"""Where a kernel's GPU time goes, phase by phase (GPU machine, EP=1).
 
-    PYTHONPATH=src python3 scripts/gpu_phases.py [--tokens 4096] [--hidden 7168] [--expand]
+    PYTHONPATH=src python3 scripts/gpu_phases.py [--kernel dispatch] [--tokens 4096]
+        [--hidden 7168] [--expand]
     PYTHONPATH=src python3 scripts/gpu_phases.py --check-marks      (no GPU needed)
 
-Phase boundaries are explicit marks in `src/epcomm/kernels/dispatch.py`: comment lines of the
+Kernels (`--kernel`): `dispatch`, the symmetric backend's dispatch kernel; `ll-send`,
+`ll-recv`, `ll-combine-send`, `ll-reduce`, the four kernels of V1's low-latency mode (FP8
+dispatch, M = max(tokens, 128)). Phase boundaries are explicit marks in the kernel's module
+(`src/epcomm/kernels/dispatch.py`, `src/epcomm/kernels/low_latency.py`): comment lines of the
 form
 
     # phase-mark: <name>
 
-(nothing else on the line; `<name>` is one of `MARKS`, each exactly once, in `MARKS`' order).
-A traced copy of the module is compiled for this run only, each mark line replaced by a time
-stamp at its indentation: every program records %globaltimer after a CTA barrier into a trace
-tensor. The backend launches the traced kernel (patched in before the buffer is built); after
-warm-up, one sync-free dispatch is traced and the table gives, per mark, the earliest / median
-/ latest program's time since the earliest program started, and the median time each program
-spent in the phase that the mark ends. The product kernel has no tracing: the marks are
-comments and cost it nothing. A missing, repeated, misordered or unknown mark stops the script
-with a message naming it; `--check-marks` only patches the source (and compiles it as Python)
-and lists the marks.
+(nothing else on the line; `<name>` one of the kernel's `TARGETS` marks, each exactly once, in
+that order; a module's other kernels have their own). A traced copy of the module is compiled
+for this run only, each of the kernel's mark lines replaced by a time stamp at its indentation:
+every program records %globaltimer after a CTA barrier into a trace tensor. The kernel is
+patched in before the buffer is built; after warm-up, one call is traced and the table gives,
+per mark, the earliest / median / latest program's time since the earliest program started,
+and the median time each program spent in the phase that the mark ends. The product kernels
+have no tracing: the marks are comments and cost them nothing. A missing, repeated, misordered
+or unknown mark stops the script with a message naming it; `--check-marks` only patches every
+kernel's module (and compiles it as Python) and lists the marks.
 """
 from __future__ import annotations
 
@@ -27,6 +31,7 @@ import linecache
 import re
 import statistics
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,25 +39,66 @@ import torch.distributed as dist
 from epcomm.testing.launch import run_local_ranks
 from gpu_tune import example_data, shape_parser
 
-# The dispatch kernel's marks in the order the kernel reaches them.
-MARKS = [
-    "send-start",              # the program's chunk of tokens is known
-    "send-counted",            # its tokens per destination counted
-    "send-grid-barrier",       # every program has counted
-    "send-peers-freed",        # every destination has copied out the previous call's records
-    "send-records-pushed",     # this program's records are in the peers' staging regions
-    "receive-ready",           # every source's records of this call have arrived
-    "receive-rows-copied",     # compact rows, ids, weights, metadata written
-    "receive-grid-barrier",    # every program has copied its rows
-    "receive-expert-totals",   # per-expert pair counts and prefixes over groups
-    "receive-grid-barrier-2",  # every program has its experts' totals
-    "receive-first-rows",      # every expert's first row (and expand-layout gaps)
-    "receive-expand-rows",     # expand row of every pair
-    "receive-done",            # payload copied to expand rows, output tails cleared
-]
+
+@dataclass(frozen=True)
+class Target:
+    """A traceable kernel: `kernel` of `epcomm.kernels.<module>`, its marks in the order the
+    kernel reaches them."""
+
+    module: str
+    kernel: str
+    marks: tuple[str, ...]
+
+
+TARGETS = {
+    "dispatch": Target("dispatch", "dispatch_kernel", (
+        "send-start",              # the program's chunk of tokens is known
+        "send-counted",            # its tokens per destination counted
+        "send-grid-barrier",       # every program has counted
+        "send-peers-freed",        # every destination has copied out the previous call's records
+        "send-records-pushed",     # this program's records are in the peers' staging regions
+        "receive-ready",           # every source's records of this call have arrived
+        "receive-rows-copied",     # compact rows, ids, weights, metadata written
+        "receive-grid-barrier",    # every program has copied its rows
+        "receive-expert-totals",   # per-expert pair counts and prefixes over groups
+        "receive-grid-barrier-2",  # every program has its experts' totals
+        "receive-first-rows",      # every expert's first row (and expand-layout gaps)
+        "receive-expand-rows",     # expand row of every pair
+        "receive-done",            # payload copied to expand rows, output tails cleared
+    )),
+    "ll-send": Target("low_latency", "ll_dispatch_send", (
+        "ll-send-start",           # the program's token slot and part, the ranks' bases
+        "ll-send-freed",           # every destination has freed the slot's previous use
+        "ll-send-slots",           # the token's experts, first slots and ranks
+        "ll-send-records",         # part 0: records, positions and row counts written
+        "ll-send-payload",         # this part of the row cast and stored at each destination
+        "ll-send-arrived",         # the arrival counted at every destination
+    )),
+    "ll-recv": Target("low_latency", "ll_dispatch_recv", (
+        "ll-recv-start",           # the program's source, token slot and part
+        "ll-recv-arrived",         # every source's arrivals of this call counted
+        "ll-recv-counts",          # the row counts and their prefix over sources
+        "ll-recv-copied",          # this part copied into each of the token's expert rows
+        "ll-recv-done",            # counted done (the last program frees the slot)
+    )),
+    "ll-combine-send": Target("low_latency", "ll_combine_send", (
+        "ll-combine-send-start",   # the program's expert, source and part
+        "ll-combine-send-freed",   # the source has freed the slot's previous use
+        "ll-combine-send-copied",  # this part of the (expert, source) rows in the source's heap
+        "ll-combine-send-arrived",  # the arrival counted at the source
+    )),
+    "ll-reduce": Target("low_latency", "ll_combine_reduce", (
+        "ll-reduce-start",         # the program's token slot and part
+        "ll-reduce-arrived",       # every owner's rows of this call arrived
+        "ll-reduce-summed",        # this part of the token's output written
+        "ll-reduce-done",          # counted done (the last program frees the slot)
+    )),
+}
+MARKS = TARGETS["dispatch"].marks
 MARK = re.compile(r"^(?P<indent>[ \t]*)# phase-mark: (?P<name>\S+)[ \t]*$")
-SLOTS = 16  # trace slots per program, at least len(MARKS)
-assert len(MARKS) <= SLOTS
+SLOTS = 16  # trace slots per program, at least the marks of any kernel
+assert all(len(target.marks) <= SLOTS for target in TARGETS.values())
+TRACE_PROGRAMS = 1 << 16  # programs a trace has room for (the low-latency grids are large)
 
 STAMP = '''
 from .sync import _globaltimer
@@ -70,9 +116,12 @@ class MarkError(ValueError):
     """The kernel source's phase marks do not match `MARKS`."""
 
 
-def find_marks(source: str) -> dict[str, int]:
-    """Each `# phase-mark: <name>` line of `source`: name -> line index. Raises `MarkError`
-    naming a mark that is missing, repeated, out of `MARKS`' order or not in `MARKS`."""
+def find_marks(source: str, target: Target) -> dict[str, int]:
+    """Each `# phase-mark: <name>` line of `source` (the text of `target`'s module): name ->
+    line index. Raises `MarkError` naming a mark that is not one of the module's kernels', is
+    repeated, or is one of `target`'s and missing or out of order."""
+    known = {name for other in TARGETS.values() if other.module == target.module
+             for name in other.marks}
     found: dict[str, int] = {}
     for at, line in enumerate(source.splitlines()):
         if not line.lstrip().startswith("# phase-mark"):
@@ -82,51 +131,53 @@ def find_marks(source: str) -> dict[str, int]:
             raise MarkError(f"line {at + 1} starts like a phase mark but is not "
                             f"'# phase-mark: <name>' alone on its line: {line.strip()!r}")
         name = match["name"]
-        if name not in MARKS:
-            raise MarkError(f"unknown phase mark {name!r} at line {at + 1}: add it to "
-                            f"scripts/gpu_phases.py MARKS or remove it")
+        if name not in known:
+            raise MarkError(f"unknown phase mark {name!r} at line {at + 1}: add it to a "
+                            f"kernel's marks in scripts/gpu_phases.py TARGETS or remove it")
         if name in found:
             raise MarkError(f"phase mark {name!r} appears twice (lines {found[name] + 1} and "
                             f"{at + 1})")
         found[name] = at
-    missing = [name for name in MARKS if name not in found]
+    missing = [name for name in target.marks if name not in found]
     if missing:
-        raise MarkError(f"phase mark(s) missing from the dispatch kernel source: "
+        raise MarkError(f"phase mark(s) missing from {target.kernel}: "
                         f"{', '.join(repr(name) for name in missing)} (expected lines "
-                        f"'# phase-mark: <name>' in src/epcomm/kernels/dispatch.py)")
-    for earlier, later in zip(MARKS, MARKS[1:]):
+                        f"'# phase-mark: <name>' in src/epcomm/kernels/{target.module}.py)")
+    for earlier, later in zip(target.marks, target.marks[1:]):
         if found[later] < found[earlier]:
             raise MarkError(f"phase mark {later!r} (line {found[later] + 1}) comes before "
-                            f"{earlier!r} (line {found[earlier] + 1}): MARKS in "
+                            f"{earlier!r} (line {found[earlier] + 1}): TARGETS in "
                             f"scripts/gpu_phases.py lists them in the order the kernel runs them")
-    return found
+    return {name: found[name] for name in target.marks}
 
 
-def traced_source(source: str, trace_addr: int) -> str:
-    """`source` (the text of `epcomm.kernels.dispatch`) with each mark line replaced by
-    `_stamp(i)` (i: the mark's index in `MARKS`), plus `_stamp` and its constants."""
-    marks = find_marks(source)
+def traced_source(source: str, target: Target, trace_addr: int) -> str:
+    """`source` (the text of `target`'s module) with each of `target`'s mark lines replaced by
+    `_stamp(i)` (i: the mark's index in its marks), plus `_stamp` and its constants."""
+    marks = find_marks(source, target)
     lines = source.splitlines()
-    for i, name in enumerate(MARKS):
+    for i, name in enumerate(target.marks):
         at = marks[name]
         lines[at] = f"{MARK.match(lines[at])['indent']}_stamp({i})"
     return "\n".join(lines) + "\n" + STAMP + f"\nTRACE_ADDR = tl.constexpr({trace_addr})\n" \
         f"TRACE_SLOTS = tl.constexpr({SLOTS})\n"
 
 
-def _dispatch_source() -> tuple[str, object]:
-    from epcomm.kernels import dispatch
-    return inspect.getsource(dispatch), dispatch
+def _module_source(target: Target) -> tuple[str, object]:
+    module = importlib.import_module(f"epcomm.kernels.{target.module}")
+    return inspect.getsource(module), module
 
 
-def traced_module(trace: torch.Tensor):
-    """`epcomm.kernels.dispatch` with `_stamp(i)` at every mark, loaded as a sibling module."""
-    source, dispatch = _dispatch_source()
-    source = traced_source(source, trace.data_ptr())
-    name = "epcomm.kernels._traced_dispatch"
+def traced_module(target: Target, trace: torch.Tensor):
+    """`target`'s module with `_stamp(i)` at each of its kernel's marks, loaded as a sibling
+    module."""
+    source, product = _module_source(target)
+    source = traced_source(source, target, trace.data_ptr())
+    name = f"epcomm.kernels._traced_{target.module}"
     spec = importlib.util.spec_from_loader(name, loader=None)
     module = importlib.util.module_from_spec(spec)
-    module.__file__ = dispatch.__file__.replace("dispatch.py", "_traced_dispatch.py")
+    module.__file__ = product.__file__.replace(f"{target.module}.py",
+                                               f"_traced_{target.module}.py")
     sys.modules[name] = module
     # Triton reads a jit function's source through inspect: give it the traced text.
     linecache.cache[module.__file__] = (len(source), None, source.splitlines(True),
@@ -136,52 +187,95 @@ def traced_module(trace: torch.Tensor):
 
 
 def check_marks() -> str:
-    """Patch the dispatch source as a traced run would (no GPU, nothing launched) and compile
+    """Patch each kernel's module as a traced run would (no GPU, nothing launched) and compile
     the result as Python; a line per mark found."""
-    source, dispatch = _dispatch_source()
-    marks = find_marks(source)
-    compile(traced_source(source, 0), dispatch.__file__, "exec")
-    return "\n".join([f"{len(marks)} phase marks found in {dispatch.__file__}, traced source "
-                      f"compiles:"] + [f"  {i:2d} {name} (line {marks[name] + 1})"
-                                       for i, name in enumerate(MARKS)])
+    lines = []
+    for key, target in TARGETS.items():
+        source, module = _module_source(target)
+        marks = find_marks(source, target)
+        compile(traced_source(source, target, 0), module.__file__, "exec")
+        lines += [f"{key}: {len(marks)} phase marks of {target.kernel} found in "
+                  f"{module.__file__}, traced source compiles:"]
+        lines += [f"  {i:2d} {name} (line {marks[name] + 1})"
+                  for i, name in enumerate(target.marks)]
+    return "\n".join(lines)
 
 
-def phases(tokens, hidden, topk, experts, expand, num_sms):
-    from epcomm import Buffer
-    from epcomm.kernels import dispatch
-
-    device = torch.device("cuda", torch.cuda.current_device())
-    programs = torch.cuda.get_device_properties(device).multi_processor_count
-    trace = torch.zeros(programs * SLOTS, dtype=torch.int64, device=device)
-    dispatch.dispatch_kernel = traced_module(trace).dispatch_kernel
+def _calls(key: str, tokens, hidden, topk, experts, expand, num_sms, device):
+    """(label, warm-up call, traced call, buffer) of `key`'s kernel, whose traced copy is
+    already patched in."""
     x, idx, w = example_data(tokens, hidden, topk, experts, device)
-    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric", num_sms=num_sms)
-    programs = buffer.num_sms  # the programs of each launch
+    if key == "dispatch":
+        from epcomm import Buffer
+        buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric",
+                        num_sms=num_sms)
+
+        def dispatch():
+            return buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False,
+                                   do_expand=expand)
+
+        def both():
+            out = dispatch()
+            buffer.combine(out[0], out[3], topk_weights=out[2])
+
+        label = (f"dispatch {'expand' if expand else 'compact'}, {buffer.num_sms} programs; "
+                 f"event time of the traced dispatch")
+        return label, both, dispatch, buffer
+    from epcomm.legacy import Buffer as LegacyBuffer
+    M = max(tokens, 128)  # num_max_dispatch_tokens_per_rank as decode servers set it
+    buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
+                          get_low_latency_rdma_size_hint(M, hidden, 1, experts),
+                          low_latency_mode=True, backend="symmetric")
+    y = torch.randn(experts, M, hidden, device=device).to(torch.bfloat16)
+
+    def pair():
+        handle = buffer.low_latency_dispatch(x, idx, M, experts, use_fp8=True)[2]
+        buffer.low_latency_combine(y, idx, w, handle)
+
+    label = (f"low-latency {TARGETS[key].kernel} (FP8 dispatch, M = {M}); event time of the "
+             f"traced dispatch + combine")
+    return label, pair, pair, buffer
+
+
+def phases(key: str, tokens, hidden, topk, experts, expand, num_sms):
+    """Five traced calls of `key`'s kernel after a warm-up call each: (label, [(the trace of
+    each program that ran, [programs, marks] ns), event us)])."""
+    target = TARGETS[key]
+    device = torch.device("cuda", torch.cuda.current_device())
+    trace = torch.zeros(TRACE_PROGRAMS * SLOTS, dtype=torch.int64, device=device)
+    module = importlib.import_module(f"epcomm.kernels.{target.module}")
+    traced = getattr(traced_module(target, trace), target.kernel)
+    setattr(module, target.kernel, traced)
+    if target.module == "low_latency":  # (the host module imported the kernels by name)
+        from epcomm import low_latency
+        setattr(low_latency, target.kernel, traced)
+    label, warm, call, buffer = _calls(key, tokens, hidden, topk, experts, expand, num_sms,
+                                       device)
     results = []
     for _ in range(5):
-        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False,
-                              do_expand=expand)
-        buffer.combine(out[0], out[3], topk_weights=out[2])
+        warm()
         torch.cuda.synchronize()
         trace.zero_()
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
-        buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False, do_expand=expand)
+        call()
         end.record()
         torch.cuda.synchronize()
-        results.append((trace[:programs * SLOTS].view(programs, SLOTS)[:, :len(MARKS)].tolist(),
-                        start.elapsed_time(end) * 1e3))
+        rows = trace.view(TRACE_PROGRAMS, SLOTS)[:, :len(target.marks)]
+        results.append((rows[rows[:, 0] != 0].tolist(), start.elapsed_time(end) * 1e3))
     buffer.destroy()
-    return programs, results
+    return label, results
 
 
 def main():
     parser = shape_parser()
-    parser.add_argument("--expand", action="store_true")
-    parser.add_argument("--num-sms", type=int, default=None, help="programs (default: the backend's)")
+    parser.add_argument("--kernel", choices=sorted(TARGETS), default="dispatch")
+    parser.add_argument("--expand", action="store_true", help="dispatch: the expand layout")
+    parser.add_argument("--num-sms", type=int, default=None,
+                        help="dispatch: programs (default: the backend's)")
     parser.add_argument("--check-marks", action="store_true",
-                        help="only check that the dispatch source has every phase mark")
+                        help="only check that every kernel's module has its phase marks")
     args = parser.parse_args()
     try:
         print(check_marks())
@@ -189,19 +283,19 @@ def main():
         sys.exit(f"gpu_phases.py: {error}")
     if args.check_marks:
         return
-    programs, results = run_local_ranks(phases, 1, args.tokens, args.hidden, args.topk,
-                                        args.experts, args.expand, args.num_sms,
-                                        timeout_s=600)[0]
+    label, results = run_local_ranks(phases, 1, args.kernel, args.tokens, args.hidden,
+                                     args.topk, args.experts, args.expand, args.num_sms,
+                                     timeout_s=600)[0]
     trace, elapsed = results[len(results) // 2]
     trace = torch.tensor(trace)
     zero = trace[:, 0].min()
     since = (trace - zero).double() / 1e3  # us
-    print(f"\nEP=1 dispatch {'expand' if args.expand else 'compact'}, {args.tokens} x "
-          f"{args.hidden} bf16, top-{args.topk}, {programs} programs; event time of the traced "
-          f"call {elapsed:.1f} us (runs: {', '.join(f'{e:.1f}' for _, e in results)})")
+    print(f"\nEP=1 {label}, {args.tokens} x {args.hidden} bf16, top-{args.topk}, "
+          f"{trace.shape[0]} programs traced; {elapsed:.1f} us (runs: "
+          f"{', '.join(f'{e:.1f}' for _, e in results)})")
     print("| mark | earliest us | median us | latest us | median phase us |\n"
           "|---|---:|---:|---:|---:|")
-    for i, mark in enumerate(MARKS):
+    for i, mark in enumerate(TARGETS[args.kernel].marks):
         column = since[:, i].tolist()
         phase = (since[:, i] - since[:, i - 1]).tolist() if i else column
         print(f"| {mark} | {min(column):.1f} | {statistics.median(column):.1f} | "

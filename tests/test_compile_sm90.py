@@ -28,37 +28,43 @@ def test_kernels_compile_for_sm90_with_vector_accesses():
                          capture_output=True, text=True, timeout=600)
     lines = [line for line in run.stdout.splitlines() if line]
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    assert len(lines) == 3 * 10, run.stdout  # 3 shapes x (2 symmetric + 8 collective kernels)
+    # 3 shapes x (2 symmetric + 8 collective + 4 low-latency kernels)
+    assert len(lines) == 3 * 14, run.stdout
     for line in lines:
         if not line.startswith("dsv3 "):
             continue
+        # (the FP8 receive copies 8 bytes a thread: 1,024 bytes a program on 128 threads)
         if not line.startswith(("dsv3 count_kernel", "dsv3 header_kernel",
-                                "dsv3 expert_prefix_kernel")):
+                                "dsv3 expert_prefix_kernel", "dsv3 ll_dispatch_recv")):
             # every row copy of the DeepSeek-V3 shape is vectorized
             assert int(re.search(r"v4 accesses (\d+)", line).group(1)) > 0, line
-        assert "0 program(s)" not in line, line
+        assert ", 0 program(s)" not in line, line
         if line.startswith(("dsv3 dispatch_kernel", "dsv3 combine_kernel")):
             # the grid-barrier kernels fit in registers with one program per SM
             assert " 0 spill bytes" in line, line
 
 
 TRACED = """
+import importlib
 import sys
 import torch
 sys.path.insert(0, sys.argv[1])
 import compile_sm90, gpu_phases
-kernel = gpu_phases.traced_module(torch.zeros(16, dtype=torch.int64)).dispatch_kernel
-compile_sm90.POINTERS[kernel] = compile_sm90.POINTERS[compile_sm90.dispatch.dispatch_kernel]
 def timer_reads(fn):
     return compile_sm90.compile_kernel(fn, compile_sm90.SHAPES["test"]).asm["ptx"].count(
         "%globaltimer")
-print(timer_reads(kernel) - timer_reads(compile_sm90.dispatch.dispatch_kernel),
-      len(gpu_phases.MARKS))
+for target in gpu_phases.TARGETS.values():
+    product = getattr(importlib.import_module(f"epcomm.kernels.{target.module}"),
+                      target.kernel)
+    kernel = getattr(gpu_phases.traced_module(target, torch.zeros(16, dtype=torch.int64)),
+                     target.kernel)
+    compile_sm90.POINTERS[kernel] = compile_sm90.POINTERS[product]
+    print(target.kernel, timer_reads(kernel) - timer_reads(product), len(target.marks))
 """
 
 
 def test_phase_trace_finds_every_mark_and_compiles():
-    """`scripts/gpu_phases.py` inserts its time stamps by the text of the dispatch kernel's
+    """`scripts/gpu_phases.py` inserts its time stamps by the text of each traced kernel's
     lines: an edit of the kernel that loses an anchor, or a stamp that does not compile, fails
     here rather than on the GPU machine."""
     try:
@@ -70,5 +76,9 @@ def test_phase_trace_finds_every_mark_and_compiles():
     run = subprocess.run([sys.executable, "-c", TRACED, str(ROOT / "scripts")], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
-    stamps, marks = map(int, run.stdout.split()[-2:])
-    assert stamps == marks  # one timer read per mark beyond the kernel's own (timeouts)
+    lines = run.stdout.splitlines()
+    assert len(lines) == 5, run.stdout  # the dispatch kernel and the 4 low-latency kernels
+    for line in lines:
+        kernel, stamps, marks = line.split()
+        # one timer read per mark beyond the kernel's own (timeouts)
+        assert int(stamps) == int(marks), line

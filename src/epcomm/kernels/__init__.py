@@ -1,4 +1,4 @@
-"""Triton kernels of the symmetric backend, one module per kernel family.
+"""Triton kernels, one module per kernel family.
 
 - `sync`: monotone int64 counters (add with release, await with acquire and a bounded spin
   that sets a timeout bit), grid barriers, the named error bits.
@@ -8,11 +8,14 @@
 - `combine`: `combine_kernel`, a send part (expert outputs back to their sources, reduced per
   token in the expand layout) and a reduce part (bias + per-rank rows in the order of
   docs/semantics.md).
+- `collective`: the collective backend's passes around its all-to-all (count, pack, unpack,
+  expand; the combine's pack and reduce).
+- `low_latency`: V1's low-latency mode (dispatch send and receive, combine send and reduce).
 - `common`: vector-access, copy and prefix-sum helpers; `launcher`: how the host launches them.
 
 Comment lines `# phase-mark: <name>` in the kernels are read by the phase tracer
 (`scripts/gpu_phases.py`, which puts a time stamp at each in a traced copy): keep each where its
-phase ends, and rename or remove one only together with that script's `MARKS`.
+phase ends, and rename or remove one only together with that script's `TARGETS`.
 
 Kernels take local tensors, runtime sizes and a table of heap base addresses (`bases`, int64
 `[R]`); they know nothing about process groups. Heap memory is only ever reached through

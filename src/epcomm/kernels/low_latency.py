@@ -226,11 +226,13 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
     bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
+    # phase-mark: ll-send-start
     # 1. Every live destination has freed this slot's previous use.
     freed = (own + free_off + rr * 8).to(tl.pointer_type(tl.int64))
     if not wait_counters(freed, live, call - 1, timeout):
         tl.atomic_or(error_ptr, DISPATCH_TIMEOUT)
     tl.debug_barrier()
+    # phase-mark: ll-send-freed
     # 2. This token's slots: the first slot of each expert, and the ranks it goes to.
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_topk
@@ -243,6 +245,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
     dest = tl.where(ids >= 0, ids // num_local, -1)
     to_rank = tl.max((first[:, None] & (dest[:, None] == rr[None, :])).to(tl.int32), 0) > 0
     slot_bytes = (rank * max_tokens + t).to(tl.int64)
+    # phase-mark: ll-send-slots
     if part == 0:
         # 3. Positions and counts need every token's slots: has[t', k] = token t' chose slot
         # k's expert. Records go to every live rank (all -1 where the token goes elsewhere).
@@ -277,6 +280,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
         if t == 0:
             ntok = (bases + ntok_off + rank * 4).to(tl.pointer_type(tl.int32))
             tl.store(ntok, tl.where(live, num_tokens, 0), mask=live)
+    # phase-mark: ll-send-records
     # 4. This part of the payload, cast in registers, to each destination.
     if mine:
         cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -308,9 +312,11 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                     row = (total(tl.where(rr == r, bases, 0)) + payload_off
                            + slot_bytes * payload_stride)
                     tl.store(_at(row, tl.int16, ALIGN) + cc, bits, mask=cmask)
+    # phase-mark: ll-send-payload
     # 5. Arrived at every live destination (M * P per call).
     arrive = (bases + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
     add_counters(arrive, live)
+    # phase-mark: ll-send-arrived
 
 
 @triton.jit(do_not_specialize=[
@@ -335,9 +341,11 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
+    # phase-mark: ll-recv-start
     ok = _await_arrivals(own + arrive_off, live, call * max_tokens * num_parts, timeout,
                          pid == 0, wait_ptr, has_wait, error_ptr, DISPATCH_TIMEOUT, rr,
                          num_ranks)
+    # phase-mark: ll-recv-arrived
     ee = tl.arange(0, BLOCK_E)
     emask = ee < num_local
     counts = tl.load((own + counts_off).to(tl.pointer_type(tl.int32))
@@ -353,6 +361,7 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
         if has_stats != 0:
             old = tl.load(stats_ptr + ee, mask=emask, other=0)
             tl.store(stats_ptr + ee, old + per_expert, mask=emask)
+    # phase-mark: ll-recv-counts
     src_ok = total(tl.where((rr == src) & ok, 1, 0)) > 0
     ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)), volatile=True)
     if src_ok & (t < ntok):
@@ -397,7 +406,9 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
                     else:
                         tl.store(scales_ptr + (expert * num_scale_cols + ss) * rows + j, scale,
                                  mask=smask)
+    # phase-mark: ll-recv-copied
     _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
+    # phase-mark: ll-recv-done
 
 
 # ------------------------------------------------------------------------------- LogFMT-10
@@ -477,10 +488,12 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
     one = live & (rr == src)
+    # phase-mark: ll-combine-send-start
     if not wait_counters((own + free_off + rr * 8).to(tl.pointer_type(tl.int64)), one,
                          call - 1, timeout):
         tl.atomic_or(error_ptr, COMBINE_TIMEOUT)
     tl.debug_barrier()
+    # phase-mark: ll-combine-send-freed
     base = tl.load(bases_ptr + src)
     if total(tl.where(one, 1, 0)) > 0:
         packed = tl.load(range_ptr + e * num_ranks + src)
@@ -501,8 +514,10 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
                 _logfmt_store(values, row, imask, part, hidden // 128, ROWS, BLOCK_C)
             else:
                 tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values, mask=both)
+    # phase-mark: ll-combine-send-copied
     # Arrived at the source (E_l * P per owner and call).
     add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one)
+    # phase-mark: ll-combine-send-arrived
 
 
 @triton.jit(do_not_specialize=[
@@ -520,9 +535,11 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
+    # phase-mark: ll-reduce-start
     _await_arrivals(own + arrive_off, live, call * num_local * num_parts, timeout,
                     tl.program_id(0) == 0,
                     wait_ptr, has_wait, error_ptr, COMBINE_TIMEOUT, rr, num_ranks)
+    # phase-mark: ll-reduce-arrived
     if t < num_tokens:
         kk = tl.arange(0, BLOCK_K)
         kmask = kk < num_topk
@@ -548,4 +565,6 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
             # +0, which leaves acc unchanged (acc is never -0)
             acc = acc + sum_along(tl.where((kk == k)[:, None] & both, terms, 0.0), 0)
         tl.store(out_ptr + t.to(tl.int64) * hidden + cc, f32_to_bf16(acc), mask=cmask)
+    # phase-mark: ll-reduce-summed
     _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
+    # phase-mark: ll-reduce-done
