@@ -94,7 +94,6 @@ TARGETS = {
         "ll-reduce-done",          # counted done (the last program frees the slot)
     )),
 }
-MARKS = TARGETS["dispatch"].marks
 MARK = re.compile(r"^(?P<indent>[ \t]*)# phase-mark: (?P<name>\S+)[ \t]*$")
 SLOTS = 16  # trace slots per program, at least the marks of any kernel
 assert all(len(target.marks) <= SLOTS for target in TARGETS.values())
@@ -113,7 +112,7 @@ def _stamp(i):
 
 
 class MarkError(ValueError):
-    """The kernel source's phase marks do not match `MARKS`."""
+    """A kernel module's phase marks do not match its kernels' in `TARGETS`."""
 
 
 def find_marks(source: str, target: Target) -> dict[str, int]:

@@ -99,7 +99,7 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
 
     def combine_callers(*args):
         tensors = real_callers(*args)
-        remember(*tensors)
+        remember(*tensors.values())
         return tensors
 
     def run_combine(self, *args):

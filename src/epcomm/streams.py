@@ -5,9 +5,9 @@ what, and how tensors are kept alive until the communication stream is done with
 One decision, `StreamPolicy.run`: a call the current stream waits for anyway (no
 `async_with_compute_stream`, no `previous_event`, outputs from the current stream's pool) of a
 backend that queues its work on a named stream and takes its inputs without copies, runs on
-the current stream itself when the buffer's earlier calls are all
-queued there (`_direct_stream`): the same order the communication stream would give, without two
-event hand-offs or any `record_stream`. Every other call goes through the communication stream.
+the current stream itself when the buffer's earlier calls are all queued there
+(`_direct_stream`): the same order the communication stream would give, without two event
+hand-offs or any `record_stream`. Every other call goes through the communication stream.
 """
 from __future__ import annotations
 
@@ -95,8 +95,8 @@ class StreamPolicy:
         tensors the call reads. `direct`: the call may run on the current stream (the backend
         queues on named streams, its inputs are taken as they are; a call that reads counts
         back waits for that stream, as it would for the comm stream); it does when
-        `_direct_stream_now` allows it. Otherwise the comm stream runs it,
-        made current only when `work` may need that (switching costs host time)."""
+        `_direct_stream_now` allows it. Otherwise the comm stream runs it, made current only
+        when `work` may need that (switching costs host time)."""
         if self.device.type != "cuda":
             return work(OutputAllocator(self.device), None), EventOverlap()
         self.release_completed()

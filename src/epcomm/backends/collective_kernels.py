@@ -7,10 +7,11 @@ issues 70-190 operations per call. Sync-free calls read nothing back (capturable
 graph over NCCL); a synchronizing first call reads one thing back, its count exchange, which
 carries every size of the call (records per rank, slots per local expert) and the error flag.
 
-A sync-free dispatch over NCCL of a call shape seen before is a prepared call (`DispatchPlan`,
-`base.PreparedDispatch`): its allocations and the five launches' arguments are built once, with
-`Address` stand-ins for the tensors, by the same code as every other call's; per call it
-allocates, fills the templates and launches.
+Over NCCL a call of a shape seen before is a prepared call (`DispatchPlan`, `SyncDispatchPlan`,
+`CombinePlan`; the dispatches are `base.PreparedDispatch`es): its launches' arguments are built
+once, with `Address` stand-ins for the tensors (and, after a count exchange, for the sizes it
+read), by the same code as every other call's; per call it allocates, fills the templates and
+launches.
 """
 from __future__ import annotations
 
@@ -123,16 +124,27 @@ class _Sizes:
     counts_list: Optional[list[int]]   # each local expert's rows aligned (exact calls)
     num_expanded: int                  # expand output rows (0 in the compact layout)
 
-    def rows(self, splits: Optional[list[int]], num_ranks: int, max_tokens: int) -> int:
-        """Rows of one side's buffer: a header row per block, then its records."""
-        return sum(splits) + num_ranks if splits is not None else num_ranks * (max_tokens + 1)
+
+def _block_rows(splits: Optional[list[int]], num_ranks: int, max_tokens: int) -> int:
+    """Rows of one side's buffer: per rank a header row, then its records (`splits`, or
+    `max_tokens` each for padded blocks when None)."""
+    return sum(splits) + num_ranks if splits is not None else num_ranks * (max_tokens + 1)
+
+
+def _block_splits(splits: Optional[list[int]]) -> Optional[list[int]]:
+    """The all-to-all's rows per block for `splits` records: a header row each (None for
+    padded blocks, which are equal)."""
+    return None if splits is None else [n + 1 for n in splits]
 
 
 class _Plan:
-    """What every prepared call of the kernel path has: `launches`, (launcher, variant,
-    ArgTemplate) each, filled per call."""
+    """What every prepared call of the kernel path has: the (shape, dtype) of the tensors it
+    allocates first (with bound makers), and `launches`, (launcher, variant, ArgTemplate) each,
+    filled per call."""
 
-    launches: list
+    def __init__(self, path: "KernelPath", shapes: Sequence[tuple], launches: list) -> None:
+        self.path, self.shapes, self.launches = path, shapes, launches
+        self._makers = empty_makers(shapes, path.backend.device)
 
     def takes(self, addresses: Sequence[int]) -> bool:
         """Each address 16-byte aligned, and every kernel still kept."""
@@ -148,11 +160,10 @@ class DispatchPlan(_Plan):
     def __init__(self, path: "KernelPath", call: _Call, sizes: _Sizes,
                  allocations: Sequence[tuple[str, tuple, torch.dtype, bool]], launches: list,
                  ) -> None:
-        self.path, self.call, self.sizes = path, call, sizes
+        super().__init__(path, [(shape, dtype) for _, shape, dtype, _ in allocations],
+                         launches)  # count, pack, the rest
+        self.call, self.sizes = call, sizes
         self.names = [name for name, *_ in allocations]
-        self.shapes = [(shape, dtype) for _, shape, dtype, _ in allocations]
-        self._makers = empty_makers(self.shapes, path.backend.device)
-        self.launches = launches  # count, pack, the rest
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -182,11 +193,9 @@ class SyncDispatchPlan(_Plan):
     def __init__(self, path: "KernelPath", call: _Call,
                  first: Sequence[tuple[str, tuple, torch.dtype, bool]], names: Sequence[str],
                  launches: list) -> None:
-        self.path, self.call = path, call
-        self.shapes = [(shape, dtype) for _, shape, dtype, _ in first]
-        self._makers = empty_makers(self.shapes, path.backend.device)
-        self.names = names
-        self.launches = launches  # count, header, pack, the rest
+        super().__init__(path, [(shape, dtype) for _, shape, dtype, _ in first],
+                         launches)  # count, header, pack, the rest
+        self.call, self.names = call, names
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -210,7 +219,7 @@ class SyncDispatchPlan(_Plan):
         launcher, variant, template = pack
         launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         path.issue_on(stream, b._all_to_all, "dispatch", t["recv"], t["send"],
-                      [n + 1 for n in sizes.recv_splits], [n + 1 for n in sizes.send_splits])
+                      _block_splits(sizes.recv_splits), _block_splits(sizes.send_splits))
         for launcher, variant, template in rest:
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         path.raise_flags(flags)
@@ -248,9 +257,6 @@ class KernelPath:
         if launcher is None:
             launcher = self.launchers[key] = Launcher(fn, programs, constants)
         return launcher
-
-    def _launch(self, fn, variant, fields: dict, **constants) -> None:
-        self._launcher(fn, **constants)(variant, None, fields)
 
     def issue_on(self, stream: Optional["torch.cuda.Stream"], fn, *args):
         """`fn(*args)` (a transport call of the backend, which issues on the current stream)
@@ -293,8 +299,8 @@ class KernelPath:
         num_local = call.num_experts // R
         nbytes = call.record_words * 4
         i32 = torch.int32
-        out = [("send", (sizes.rows(sizes.send_splits, R, M), nbytes), torch.uint8, False),
-               ("recv", (sizes.rows(sizes.recv_splits, R, M), nbytes), torch.uint8, False),
+        out = [("send", (_block_rows(sizes.send_splits, R, M), nbytes), torch.uint8, False),
+               ("recv", (_block_rows(sizes.recv_splits, R, M), nbytes), torch.uint8, False),
                ("pos", (T, R), i32, True), ("slot", (T, K), i32, True),
                ("send_counts", (R,), i32, True),
                ("metadata", (sizes.num_rows, K + 2), i32, True),
@@ -495,9 +501,8 @@ class KernelPath:
                                      sizes.send_splits is not None, sizes.num_rows,
                                      self._bound(call, sizes))
         pack[0](pack[1], None, pack[2])
-        b._all_to_all("dispatch", t["recv"], t["send"],
-                      None if sizes.recv_splits is None else [n + 1 for n in sizes.recv_splits],
-                      None if sizes.send_splits is None else [n + 1 for n in sizes.send_splits])
+        b._all_to_all("dispatch", t["recv"], t["send"], _block_splits(sizes.recv_splits),
+                      _block_splits(sizes.send_splits))
         for launcher, variant, fields in rest:
             launcher(variant, None, fields)
         self.raise_flags(flags)
@@ -587,39 +592,35 @@ class KernelPath:
         state: KernelState = handle.backend_state
         topk_idx = handle.tensors["topk_idx"]
         x, weights, biases = request.x, request.topk_weights, request.biases
-        sync = handle.do_cpu_sync
+        callers = _combine_callers(handle, x, weights, biases)
         if b._host_transport:
             counts = handle.tensors["psum_num_recv_tokens_per_scaleup_rank"].diff(
                 prepend=torch.zeros(1, dtype=torch.int32, device=b.device))
             b._exchange_headers("combine (header exchange)",
                                 b._header_rows(header, counts.long()))
-        elif not sync and not INTERPRET:  # padded blocks, no host exchange: a prepared call
+        elif not handle.do_cpu_sync and not INTERPRET:  # padded blocks: a prepared call
             key = (handle.num_tokens, topk_idx.dtype, handle.num_max_tokens_per_rank,
                    handle.num_experts, handle.do_expand, weights is not None,
                    tuple(bias.dtype for bias in biases))
             plan = self.combine_plans.get(key) or self._prepare_combine(
-                key, handle, weights, biases, record, header)
+                key, handle, callers, biases, record, header)
             if plan is not None:
-                addresses = [tensor.data_ptr() for tensor in
-                             _combine_callers(handle, x, weights, biases)]
+                addresses = [tensor.data_ptr() for tensor in callers.values()]
                 if plan.takes(addresses):
                     return plan.run(addresses, request.alloc)
-        t = dict(x=x, weights=weights if weights is not None else self.no_weights,
-                 biases=biases, **{name: handle.tensors[name] for name in _HANDLE_READS},
-                 send_counts=state.send_counts, pos=state.pos)
-        for name, shape, dtype, output in self._combine_allocations(handle, record, sync):
+        t = dict(callers, weights=callers.get("weights", self.no_weights), biases=biases)
+        for name, shape, dtype, output in self._combine_allocations(handle, record):
             t[name] = request.alloc.empty(shape, dtype) if output else \
                 b._workspace.tensor(name, shape, dtype)
         pack, reduce = self._combine_launches(handle, weights is not None, biases, record,
                                               header, t)
         pack[0](pack[1], None, pack[2])
-        b._all_to_all("combine", t["returned"], t["send"],
-                      [n + 1 for n in state.send_splits] if sync else None,
-                      [n + 1 for n in state.recv_splits] if sync else None)
+        b._all_to_all("combine", t["returned"], t["send"], _block_splits(state.send_splits),
+                      _block_splits(state.recv_splits))
         reduce[0](reduce[1], None, reduce[2])
         return t["out"], t.get("w_out")
 
-    def _combine_allocations(self, handle: EPHandle, record: "_Record", sync: bool,
+    def _combine_allocations(self, handle: EPHandle, record: "_Record",
                              ) -> list[tuple[str, tuple, torch.dtype, bool]]:
         """(name, shape, dtype, output) of a combine's tensors: its send and receive rows
         (exact blocks after a synchronizing dispatch, else padded), then its outputs."""
@@ -627,10 +628,10 @@ class KernelPath:
         state: KernelState = handle.backend_state
         R, M, H = b.num_ranks, handle.num_max_tokens_per_rank, b.config.hidden
         T, K = handle.tensors["topk_idx"].shape
-        nbytes = record.nbytes
-        out = [("send", (sum(state.recv_splits) + R if sync else R * (M + 1), nbytes),
-                torch.uint8, False),
-               ("returned", (sum(state.send_splits) + R if sync else R * (M + 1), nbytes),
+        # (blocks run the other way: back along the dispatch's receive side)
+        out = [("send", (_block_rows(state.recv_splits, R, M), record.nbytes), torch.uint8,
+                False),
+               ("returned", (_block_rows(state.send_splits, R, M), record.nbytes),
                 torch.uint8, False),
                ("out", (T, H), torch.bfloat16, True)]
         if record.meta_words:  # (weights travel back)
@@ -673,47 +674,42 @@ class KernelPath:
                 flags_ptr=b._flags)
         return [pack, reduce]
 
-    def _prepare_combine(self, key: Hashable, handle: EPHandle,
-                         weights: Optional[torch.Tensor], biases: tuple, record: "_Record",
-                         header: torch.Tensor) -> Optional["CombinePlan"]:
-        """The prepared combine of this call shape (`CombinePlan`), None while a kernel is
-        not kept (the first call compiles them)."""
-        allocations = self._combine_allocations(handle, record, False)
-        names = [*_combine_names(weights is not None, len(biases)),
-                 *[name for name, *_ in allocations]]
+    def _prepare_combine(self, key: Hashable, handle: EPHandle, callers: dict,
+                         biases: tuple, record: "_Record", header: torch.Tensor,
+                         ) -> Optional["CombinePlan"]:
+        """The prepared combine of this call shape (`CombinePlan`; `callers`: the call's
+        `_combine_callers`), None while a kernel is not kept (the first call compiles them)."""
+        allocations = self._combine_allocations(handle, record)
+        names = [*callers, *[name for name, *_ in allocations]]
         t = {name: Address(at) for at, name in enumerate(names)}
         t["biases"] = [t[f"bias{i}"] for i in range(len(biases))]
-        if weights is None:
+        has_w = "weights" in callers
+        if not has_w:
             t["weights"] = self.no_weights
-        launches = self._combine_launches(handle, weights is not None, biases, record, header,
-                                          t)
+        launches = self._combine_launches(handle, has_w, biases, record, header, t)
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
             return None
         plan = CombinePlan(self, [(shape, dtype) for _, shape, dtype, _ in allocations],
                            [(launcher, variant, launcher.template(fields, 0))
-                            for launcher, variant, fields in launches], weights is not None)
+                            for launcher, variant, fields in launches], has_w)
         remember(self.combine_plans, key, plan)
         return plan
 
 
-# The handle tensors a combine reads, in a prepared combine's slot order (after x, weights and
-# the biases; `_combine_callers`), then the kernel state's send_counts and pos.
+# The handle tensors a combine reads (after x, weights and the biases in `_combine_callers`).
 _HANDLE_READS = ("psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata", "topk_idx")
 
 
-def _combine_names(has_w: bool, num_bias: int) -> list[str]:
-    """The names of a combine's caller tensors in slot order (`_combine_callers`)."""
-    return ["x", *(["weights"] if has_w else []), *[f"bias{i}" for i in range(num_bias)],
-            *_HANDLE_READS, "send_counts", "pos"]
-
-
 def _combine_callers(handle: EPHandle, x: torch.Tensor, weights: Optional[torch.Tensor],
-                     biases: tuple) -> list[torch.Tensor]:
-    """A combine's caller tensors (its inputs and what it reads of the handle), in a prepared
-    combine's slot order (`_combine_names`)."""
+                     biases: tuple) -> dict[str, torch.Tensor]:
+    """A combine's caller tensors by name, in a prepared combine's slot order: x, weights (if
+    given), bias0.., the handle tensors it reads, the kernel state's send_counts and pos."""
     state: KernelState = handle.backend_state
-    return [x, *([weights] if weights is not None else []), *biases,
-            *[handle.tensors[name] for name in _HANDLE_READS], state.send_counts, state.pos]
+    callers = {"x": x} if weights is None else {"x": x, "weights": weights}
+    callers.update((f"bias{i}", bias) for i, bias in enumerate(biases))
+    callers.update((name, handle.tensors[name]) for name in _HANDLE_READS)
+    callers.update(send_counts=state.send_counts, pos=state.pos)
+    return callers
 
 
 class CombinePlan(_Plan):
@@ -723,9 +719,8 @@ class CombinePlan(_Plan):
 
     def __init__(self, path: KernelPath, shapes: Sequence[tuple], launches: list,
                  has_w: bool) -> None:
-        self.path, self.shapes = path, shapes
-        self._makers = empty_makers(shapes, path.backend.device)
-        self.launches, self.has_w = launches, has_w  # pack, reduce
+        super().__init__(path, shapes, launches)  # pack, reduce
+        self.has_w = has_w
 
     def run(self, addresses: Sequence[int], alloc) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         send, returned, *outputs = alloc.empty_all(self.shapes, self._makers)
