@@ -79,7 +79,7 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
         src_info_ptr="i32", slot_ptr="i32", range_ptr="i64"),
     low_latency.ll_combine_reduce: dict(
         bases_ptr="i64", mask_ptr="i32", epoch_ptr="i64", done_ptr="i64", error_ptr="i32",
-        idx_ptr="i64", weights_ptr="fp32", out_ptr="i16", wait_ptr="i64"),
+        x_ptr="i16", idx_ptr="i64", weights_ptr="fp32", out_ptr="i16", wait_ptr="i64"),
 }
 
 
@@ -89,7 +89,8 @@ def _constants(fn, shape) -> tuple[dict, int]:
     if fn.__module__ == collective.__name__:
         return _collective_constants(fn, base, K, vec)
     if fn.__name__.startswith("ll_"):  # (a low-latency kernel, or a traced copy of one)
-        return _low_latency_constants(fn, base, R), LL._NUM_WARPS
+        tile = LL.GPU_TILES[_LOW_LATENCY_TILES[fn.__name__]]
+        return _low_latency_constants(fn, base, R, tile), tile.num_warps
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
             TILE["combine_warps"]
@@ -99,10 +100,14 @@ def _constants(fn, shape) -> tuple[dict, int]:
         TILE["num_warps"]
 
 
-def _low_latency_constants(fn, base: dict, R: int) -> dict:
+_LOW_LATENCY_TILES = dict(ll_dispatch_send="send", ll_dispatch_recv="recv",
+                          ll_combine_send="combine", ll_combine_reduce="reduce")
+
+
+def _low_latency_constants(fn, base: dict, R: int, tile) -> dict:
     """The low-latency kernels' constants as `epcomm.low_latency` launches them (M = 128 tokens
     per rank, 256 experts over R ranks, FP8 dispatch without rounded scales)."""
-    constants = dict(BLOCK_R=base["BLOCK_R"], BLOCK_C=LL._BLOCK_C, ALIGN=16)
+    constants = dict(BLOCK_R=base["BLOCK_R"], BLOCK_C=tile.block_c, ALIGN=16)
     if fn.__name__ == "ll_dispatch_send":
         return dict(constants, USE_FP8=True, ROUND_SCALE=False, BLOCK_T=128,
                     BLOCK_K=base["BLOCK_K"])
@@ -110,7 +115,7 @@ def _low_latency_constants(fn, base: dict, R: int) -> dict:
         return dict(constants, USE_FP8=True, USE_UE8M0=False, BLOCK_K=base["BLOCK_K"],
                     BLOCK_E=triton.next_power_of_2(256 // R))
     if fn.__name__ == "ll_combine_send":
-        return dict(constants, ROWS=LL._ROWS, LOGFMT=False)
+        return dict(constants, ROWS=tile.rows, LOGFMT=False)
     return dict(constants, BLOCK_K=base["BLOCK_K"], LOGFMT=False)
 
 

@@ -224,7 +224,8 @@ def _calls(key: str, tokens, hidden, topk, experts, expand, num_sms, device):
     M = max(tokens, 128)  # num_max_dispatch_tokens_per_rank as decode servers set it
     buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
                           get_low_latency_rdma_size_hint(M, hidden, 1, experts),
-                          low_latency_mode=True, backend="symmetric")
+                          low_latency_mode=True, backend="symmetric",
+                          explicitly_destroy=True)
     y = torch.randn(experts, M, hidden, device=device).to(torch.bfloat16)
 
     def pair():

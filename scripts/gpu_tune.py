@@ -1,6 +1,7 @@
 """Tune the symmetric backend's kernel tiles (GPU machine, EP=1).
 
     PYTHONPATH=src python3 scripts/gpu_tune.py [--tokens 4096] [--hidden 7168] [--current]
+    PYTHONPATH=src python3 scripts/gpu_tune.py --low-latency [--tokens 128]
 
 For each candidate tile of the symmetric backend (its `_GPU_TILE`: rows per tile, copy-step
 width, warps of the dispatch and of the combine kernels) a one-rank symmetric buffer runs
@@ -9,6 +10,12 @@ and each compiled kernel's registers per thread and spill bytes are listed. One 
 constants in `backends/symmetric/backend.py` cite the winner. `--current`: only the backend's
 tile (an A/B of two trees: run it once with each tree's `src` on PYTHONPATH). Host time:
 `scripts/host_time.py`.
+
+`--low-latency`: the same for V1's low-latency kernels (`epcomm.low_latency.GPU_TILES`): each
+candidate gives all four kernels one channel part width and warp count (the combine's send 4
+rows a step); a one-rank low-latency buffer runs FP8 dispatch + combine of `--tokens` tokens
+(M = max(tokens, 128)); the table has each kernel's mean GPU time under the profiler, the
+graph replay of the pair, and registers / spills, so that each kernel's tile is chosen alone.
 """
 from __future__ import annotations
 
@@ -83,6 +90,62 @@ def tiles(tokens, hidden, topk, experts, current_only=False):
     return rows
 
 
+LOW_LATENCY_CANDIDATES = [  # channels per program, warps
+    (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
+LOW_LATENCY_KERNELS = ("ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
+                       "ll_combine_reduce")
+
+
+def low_latency_tiles(tokens, hidden, topk, experts, current_only=False):
+    """Rows of (candidate, [GPU us per kernel], graph replay us of the pair, registers)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from epcomm import low_latency as LL
+    from epcomm.bench_paths import time_us
+    from epcomm.legacy import Buffer as LegacyBuffer
+    from epcomm.testing.launch import capture_graph
+    device = torch.device("cuda", torch.cuda.current_device())
+    x, idx, w = example_data(tokens, hidden, topk, experts, device)
+    M = max(tokens, 128)
+    y = torch.randn(experts, M, hidden, device=device).to(torch.bfloat16)
+    current = LL.GPU_TILES
+    candidates = [None] if current_only else LOW_LATENCY_CANDIDATES
+    rows = []
+    for candidate in candidates:
+        LL.GPU_TILES = current if candidate is None else {
+            name: LL.LowLatencyTile(*candidate, rows=4 if name == "combine" else 1)
+            for name in current}
+        buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
+                              get_low_latency_rdma_size_hint(M, hidden, 1, experts),
+                              low_latency_mode=True, backend="symmetric",
+                              explicitly_destroy=True)
+
+        def pair():
+            handle = buffer.low_latency_dispatch(x, idx, M, experts, use_fp8=True)[2]
+            buffer.low_latency_combine(y, idx, w, handle)
+
+        for _ in range(3):
+            pair()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(10):
+                pair()
+            torch.cuda.synchronize()
+        times = {e.key: e.device_time_total / e.count for e in prof.key_averages()}
+        replay = time_us(capture_graph(pair)[0].replay, device, 50)
+        buffer.low_latency_check_errors()
+        registers = ", ".join(
+            f"{name} {getattr(kernel, 'n_regs', '?')}/{getattr(kernel, 'n_spills', '?')}"
+            for name in LOW_LATENCY_KERNELS
+            for kernel in getattr(LL, name).device_caches[device.index][0].values())
+        label = "current" if candidate is None else f"{candidate[0]}/{candidate[1]}"
+        rows.append((label, [times.get(n, float("nan")) for n in LOW_LATENCY_KERNELS],
+                     replay, registers))
+        buffer.destroy()
+    LL.GPU_TILES = current
+    return rows
+
+
 def _launchers(buffer):
     """Every `Launcher` of the buffer's symmetric backend."""
     for shape in (buffer._backend.shape, buffer._backend.combine_shape):
@@ -110,8 +173,20 @@ def main():
     parser = shape_parser()
     parser.add_argument("--current", action="store_true",
                         help="time only the backend's current tile")
+    parser.add_argument("--low-latency", action="store_true",
+                        help="tune V1's low-latency kernels instead")
     args = parser.parse_args()
     shape = (args.tokens, args.hidden, args.topk, args.experts)
+    if args.low_latency:
+        rows = run_local_ranks(low_latency_tiles, 1, *shape, args.current, timeout_s=600)[0]
+        print(f"\nEP=1 low-latency, {args.tokens} x {args.hidden}, top-{args.topk}, FP8 "
+              "dispatch: mean GPU us per kernel, graph replay us of dispatch + combine")
+        print("| channels/warps | " + " | ".join(LOW_LATENCY_KERNELS)
+              + " | pair replay | registers/spills |\n" + "|---" * 7 + "|")
+        for label, times, replay, registers in rows:
+            print(f"| {label} | " + " | ".join(f"{t:.1f}" for t in times)
+                  + f" | {replay:.1f} | {registers} |")
+        return
     rows = run_local_ranks(tiles, 1, *shape, args.current, timeout_s=600)[0]
     print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
     print("| dispatch rows/width/warps | combine rows/width/warps | layout | dispatch | "

@@ -236,6 +236,16 @@ def _rank_main(seed, num_experts, backend, device):
     buffer.low_latency_dispatch(x, topk_idx, M, num_experts, **options)
     with pytest.raises(RuntimeError, match="reused"):
         buffer.low_latency_combine(expert_out, topk_idx, weights, got_a[2])
+    # the combine's input may be written once the call returns, before its hook
+    written = expert_out.clone()
+    got = buffer.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=False)
+    combined, _, hook = buffer.low_latency_combine(written, topk_idx, weights, got[2],
+                                                   return_recv_hook=True)
+    written.fill_(7.0)
+    hook()
+    ref = reference_low_latency_dispatch(x_ref, idx_ref, M, num_experts, group, use_fp8=False)
+    assert_equal("combine input written before the hook", combined.cpu(),
+                 reference_low_latency_combine(out_ref, ref, w_ref, group))
     _errors(buffer, x, topk_idx, num_experts)
     if backend == "collective" and num_ranks > 1:
         # Ranks whose calls disagree (messages of other sizes: gloo would abort) raise on every

@@ -56,11 +56,29 @@ __all__ = ["LowLatencyHandle", "LowLatencyShape", "LowLatencyTransport", "Collec
 UE8M0_PER_WORD = 4           # UE8M0 exponent bytes per int32 scale word
 _ALIGNMENT = 128             # DeepEP's buffer sizes are multiples of this many bytes
 _MSG_HEADER = 16             # DeepEP's per-message control bytes (source index and reserve)
-_BLOCK_C = 1024              # channels per program of the symmetric kernels (GPU)
-_ROWS = 4                    # rows per step of the combine's send (GPU)
-_BLOCK_C_INTERPRET = 128     # under the interpreter: small parts, so that the tests' rows
-_ROWS_INTERPRET = 2          # span several parts and steps as on the GPU
-_NUM_WARPS = 4
+
+
+@dataclass(frozen=True)
+class LowLatencyTile:
+    """One kernel's launch shape: channels per program (a row's part; P = ceil(H / block_c)
+    programs per row), warps, and for the combine's send the rows it moves per step."""
+    block_c: int
+    num_warps: int
+    rows: int = 1
+
+
+# The symmetric kernels' tiles on the GPU, each kernel's fastest of `scripts/gpu_tune.py
+# --low-latency` (H100, EP=1, H = 7168, M = 128 tokens, FP8; GPU us in one run, parts of 1024
+# channels and 4 warps against the tile chosen): send 18.5 -> 11.1 (whole rows, 8 warps: one
+# program per token and one for its routing, all resident at once), receive 8.8 -> 8.0 (whole
+# rows, 8 warps), the combine's send 7.1 -> 4.3 (whole rows, 8 warps), reduce 16.4 -> 13.1
+# (whole rows, 16 warps; 128 registers, 4 spill bytes).
+GPU_TILES = dict(send=LowLatencyTile(8192, 8), recv=LowLatencyTile(8192, 8),
+                 combine=LowLatencyTile(8192, 8, rows=4), reduce=LowLatencyTile(8192, 16))
+# Under the interpreter: small parts, so that the tests' rows span several parts and steps as
+# on the GPU, and a different part count per kernel, as the GPU tiles may have.
+CPU_TILES = dict(send=LowLatencyTile(128, 1), recv=LowLatencyTile(256, 1),
+                 combine=LowLatencyTile(128, 1, rows=2), reduce=LowLatencyTile(256, 1))
 
 
 def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -264,11 +282,12 @@ class LowLatencyTransport:
     def _send_combine(self, shape: LowLatencyShape, slot: _Slot, index: int, source: _Slot,
                       x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
                       peers: tuple, result: torch.Tensor, wait_stats: Optional[torch.Tensor],
-                      use_logfmt: bool) -> Callable[[], None]:
+                      use_logfmt: bool, now: bool) -> Callable[[], None]:
         """Start a combine in `slot` of the dispatch held by `source` and return the callable
         that reduces into `result` [T, H] bf16. x: [E_l, R * M, H] bf16 expert outputs;
         peers: the ranks unmasked at the dispatch and now; use_logfmt: rows travel in
-        LogFMT-10 (`epcomm.logfmt`)."""
+        LogFMT-10 (`epcomm.logfmt`); now: the callable runs right after, before the caller
+        can touch x again (no hook)."""
         raise NotImplementedError
 
     def take_slot(self) -> int:
@@ -397,7 +416,8 @@ class LowLatencyTransport:
         peers = tuple(r for r in source.peers if r not in masked)
         receive = self._send_combine(shape, slots[index], index, source, x, topk_idx,
                                      topk_weights, peers=peers, result=result,
-                                     wait_stats=wait_stats, use_logfmt=use_logfmt)
+                                     wait_stats=wait_stats, use_logfmt=use_logfmt,
+                                     now=not return_recv_hook)
         if not return_recv_hook:
             receive()
             return result, None
@@ -589,7 +609,7 @@ class CollectiveLowLatency(LowLatencyTransport):
             plane[e_of, j_of] = scales
 
     def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
-                      result, wait_stats, use_logfmt):
+                      result, wait_stats, use_logfmt, now):
         self._agree("low_latency_combine", _message_fields(shape, 1, use_logfmt), peers,
                     tag=6 + index)
         R, cap, H = shape.num_ranks, shape.capacity, shape.hidden
@@ -726,14 +746,22 @@ class SymmetricLowLatency(LowLatencyTransport):
                 "new one")
 
     def _common(self, shape: LowLatencyShape, state: _HeapState, mask, error) -> dict:
-        # A part of BLOCK_C channels per program; ALIGN: heap rows of bf16 start on 16 bytes
-        # when H is a multiple of 8.
-        block_c = _BLOCK_C_INTERPRET if INTERPRET else _BLOCK_C
+        # ALIGN: heap rows of bf16 start on 16 bytes when H is a multiple of 8.
         return dict(bases_ptr=state.heap.bases, rank=self.rank, num_ranks=shape.num_ranks,
                     num_local=shape.num_local, hidden=shape.hidden, num_topk=shape.num_topk,
-                    num_parts=-(-shape.hidden // block_c), mask_ptr=mask, error_ptr=error,
-                    timeout=self._timeout, BLOCK_R=next_power_of_2(shape.num_ranks),
-                    BLOCK_C=block_c, ALIGN=16 if shape.hidden % 8 == 0 else 2)
+                    mask_ptr=mask, error_ptr=error, timeout=self._timeout,
+                    BLOCK_R=next_power_of_2(shape.num_ranks),
+                    ALIGN=16 if shape.hidden % 8 == 0 else 2)
+
+    @staticmethod
+    def _tile(shape: LowLatencyShape, kernel: str) -> tuple[int, dict]:
+        """(`kernel`'s programs per row, its tile arguments)."""
+        tile = (CPU_TILES if INTERPRET else GPU_TILES)[kernel]
+        parts = -(-shape.hidden // tile.block_c)
+        args = dict(num_parts=parts, BLOCK_C=tile.block_c, num_warps=tile.num_warps)
+        if kernel == "combine":
+            args["ROWS"] = tile.rows
+        return parts, args
 
     def _send_dispatch(self, shape, slot, index, x, topk_idx, *, masked, round_scale,
                        cumulative_stats, wait_stats):
@@ -746,13 +774,14 @@ class SymmetricLowLatency(LowLatencyTransport):
         offsets = dict(arrive_off=layout.counters(index, 0), free_off=layout.counters(index, 1),
                        ntok_off=ntok, counts_off=counts, records_off=records,
                        payload_off=payloads, payload_stride=layout.payload_stride)
-        M, parts = shape.max_tokens, common["num_parts"]
-        ll_dispatch_send[(M * parts,)](
-            **common, **offsets, x_ptr=x.view(torch.int16), idx_ptr=topk_idx,
+        M = shape.max_tokens
+        parts, tile = self._tile(shape, "send")
+        senders = M * (parts + 1)  # (each token's parts and its routing program)
+        ll_dispatch_send[(senders,)](
+            **common, **tile, **offsets, x_ptr=x.view(torch.int16), idx_ptr=topk_idx,
             num_tokens=x.shape[0], num_experts=shape.num_experts, max_tokens=M,
             epoch_ptr=state.epochs[0][index], USE_FP8=shape.use_fp8, ROUND_SCALE=round_scale,
-            BLOCK_T=next_power_of_2(M), BLOCK_K=next_power_of_2(shape.num_topk),
-            num_warps=_NUM_WARPS)
+            BLOCK_T=next_power_of_2(M), BLOCK_K=next_power_of_2(shape.num_topk))
         scales = slot.scales
         if scales is None:
             scales = dummy32
@@ -761,8 +790,10 @@ class SymmetricLowLatency(LowLatencyTransport):
         recv_x = slot.recv_x.view(torch.uint8 if shape.use_fp8 else torch.int16)
 
         def receive() -> None:
+            parts, tile = self._tile(shape, "recv")
             ll_dispatch_recv[(shape.num_ranks * M * parts,)](
-                **common, **offsets, max_tokens=M, epoch_ptr=state.epochs[0][index],
+                **common, **tile, **offsets, max_tokens=M, senders=senders,
+                epoch_ptr=state.epochs[0][index],
                 done_ptr=state.done[0][index], recv_x_ptr=recv_x, scales_ptr=scales,
                 num_scale_cols=shape.scale_columns, src_info_ptr=slot.src_info,
                 slot_ptr=slot.recv_slot, count_ptr=slot.recv_count,
@@ -772,40 +803,49 @@ class SymmetricLowLatency(LowLatencyTransport):
                 wait_ptr=dummy64 if wait_stats is None else wait_stats,
                 has_wait=int(wait_stats is not None), USE_FP8=shape.use_fp8,
                 USE_UE8M0=shape.use_ue8m0, BLOCK_K=next_power_of_2(shape.num_topk),
-                BLOCK_E=next_power_of_2(shape.num_local), num_warps=_NUM_WARPS)
+                BLOCK_E=next_power_of_2(shape.num_local))
             if device.type == "cpu":
                 self.check_errors(device)
         return receive
 
     def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
-                      result, wait_stats, use_logfmt):
+                      result, wait_stats, use_logfmt, now):
         device = topk_weights.device
         state = self._heap(shape, device)
         masked = tuple(r for r in range(shape.num_ranks) if r not in peers)
         mask, error, (_, dummy64) = self._device_tensors(device, masked)
         layout = state.layout
         common = self._common(shape, state, mask, error)
+        # Received right away, the rows this rank owns skip the heap: the reduce reads them
+        # from x, which nothing can change in between (not with LogFMT, whose rows the
+        # reduce decodes).
+        direct = int(now and not use_logfmt)
         offsets = dict(arrive_off=layout.counters(index, 2), free_off=layout.counters(index, 3),
-                       rows_off=layout.combine(index))
-        parts = common["num_parts"]
-        ll_combine_send[(shape.num_local * shape.num_ranks * parts,)](
-            **common, **offsets, max_tokens=shape.max_tokens, epoch_ptr=state.epochs[1][index],
-            x_ptr=x.contiguous().view(torch.int16), src_info_ptr=source.src_info,
+                       rows_off=layout.combine(index), local_off=layout.local_rows(index),
+                       direct=direct)
+        parts, tile = self._tile(shape, "combine")
+        senders = shape.num_local * parts
+        x = x.contiguous().view(torch.int16)
+        ll_combine_send[(senders * shape.num_ranks,)](
+            **common, **tile, **offsets, max_tokens=shape.max_tokens,
+            epoch_ptr=state.epochs[1][index],
+            x_ptr=x, src_info_ptr=source.src_info,
             slot_ptr=source.recv_slot, range_ptr=source.layout_range,
-            ROWS=_ROWS_INTERPRET if INTERPRET else _ROWS, LOGFMT=use_logfmt,
-            num_warps=_NUM_WARPS)
+            LOGFMT=use_logfmt)
 
         def receive() -> None:
+            parts, tile = self._tile(shape, "reduce")
             ll_combine_reduce[(shape.max_tokens * parts,)](
-                **common, **offsets, num_tokens=topk_weights.shape[0],
+                **common, **tile, **offsets, senders=senders, num_tokens=topk_weights.shape[0],
                 num_experts=shape.num_experts, max_tokens=shape.max_tokens,
                 epoch_ptr=state.epochs[1][index],
-                done_ptr=state.done[1][index], idx_ptr=topk_idx, weights_ptr=topk_weights,
+                done_ptr=state.done[1][index], x_ptr=x, idx_ptr=topk_idx,
+                weights_ptr=topk_weights,
                 out_ptr=result.view(torch.int16),
                 wait_ptr=dummy64 if wait_stats is None else wait_stats,
                 has_wait=int(wait_stats is not None),
                 BLOCK_K=next_power_of_2(shape.num_topk), LOGFMT=use_logfmt,
-                num_warps=_NUM_WARPS, enable_fp_fusion=False)
+                enable_fp_fusion=False)
             if device.type == "cpu":
                 self.check_errors(device)
         return receive

@@ -1,14 +1,16 @@
 """Triton kernels of the low-latency (decode) dispatch and combine over peer memory.
 
 Four kernels, two per call; with a receive hook the second runs in the hook. Each splits a row
-into parts of BLOCK_C channels, one part per program (P = ceil(H / BLOCK_C)):
+into parts of BLOCK_C channels, one part per program (P = ceil(H / BLOCK_C), the kernel's own:
+the four may split rows differently):
 
-- `ll_dispatch_send`, programs (token slot t < M, part): casts its part of token `t` (FP8 in
-  registers, or bf16 as is) and writes it once into the heap of each rank one of the token's
-  top-k experts lives on. Part 0 also writes a record of (local expert, row position) per slot
-  to every live rank, and the program that sees an expert's last token writes that expert's
-  row count (program `g % M` writes 0 for an expert no token chose). Then every program adds 1
-  to the destination's arrival counter.
+- `ll_dispatch_send`, programs (token slot t < M, part p <= P): part p < P casts its part of
+  token `t` (FP8 in registers, or bf16 as is) and writes it once into the heap of each rank one
+  of the token's top-k experts lives on; part P, the token's routing program, writes a record
+  of (local expert, row position) per slot to every live rank and, where the token is an
+  expert's last, that expert's row count, tagged with the call's number (a count with another
+  call's tag reads as 0, so experts nobody chose need no write). Then every program adds 1 to
+  the destination's arrival counter.
 - `ll_dispatch_recv`, programs (source rank, token slot, part): waits for every live source,
   takes the prefix of the row counts over sources, and copies its part of its token into the
   rows of its local experts (expert-major outputs, FP8 scales column-major). The last program
@@ -20,15 +22,19 @@ into parts of BLOCK_C channels, one part per program (P = ceil(H / BLOCK_C)):
 
 Heap of one rank, per slot `s` in {0, 1} (`LowLatencyLayout`): int64 counters (dispatch
 arrivals and frees, combine arrivals and frees, one per rank each), the dispatch region (token
-counts, row counts `[R, E_l]`, records `[R, M, 2K]` int32, payloads `[R, M, P]` bytes), and the
-combine region (rows `[M, K, H]` bf16). Counters are monotone: a slot's `n`-th dispatch waits
-for `M * P * n` arrivals from each source, its `n`-th combine for `E_l * P * n` from each
-owner; a sender first waits until the destination has freed the slot's previous use. `n` lives
-in a local int64 tensor (`epochs`), advanced by the last program of the receiving kernel, so
-that graph replays count on their own.
+counts, tagged row counts `[R, E_l]`, records `[R, M, 2K]` int32, payloads `[R, M, payload]`
+bytes), and the combine region (rows `[M, K, H]` bf16). Counters are monotone: a slot's `n`-th
+dispatch waits for `M * (P + 1) * n` arrivals from each source (P of the send), its `n`-th
+combine for `E_l * P * n` from each owner (P of the combine's send); a sender first waits
+until the destination has freed the slot's previous use. `n` lives in a local int64 tensor
+(`epochs`), advanced by the last program of the receiving kernel, so that graph replays count
+on their own.
 
 Kernels take heap base addresses (`bases`, int64 `[R]`) and local tensors; they know nothing
-about process groups. Waits are bounded (`sync.wait_counters`); a timeout ORs the stage's bit
+about process groups. What a peer wrote is read with plain loads after the wait for its
+counter: the wait is an acquire at system scope and a CTA barrier follows it, so the loads are
+ordered after the peer's release (volatile loads would also be kept in order among themselves,
+one memory round trip after another). Waits are bounded (`sync.wait_counters`); a timeout ORs the stage's bit
 into the error flag and the kernel goes on.
 """
 from __future__ import annotations
@@ -75,16 +81,16 @@ class LowLatencyLayout:
     @property
     def _dispatch_bytes(self) -> int:
         R, M = self.num_ranks, self.max_tokens
-        return (_up(4 * R) + _up(4 * R * self.num_local) + _up(4 * R * M * 2 * self.num_topk)
+        return (_up(4 * R) + _up(8 * R * self.num_local) + _up(4 * R * M * 2 * self.num_topk)
                 + R * M * self.payload_stride)
 
     def dispatch(self, slot: int) -> tuple[int, int, int, int]:
-        """(token counts [R] int32, row counts [R, E_l] int32, records [R, M, 2K] int32,
-        payloads [R, M, stride] bytes) of `slot`."""
+        """(token counts [R] int32, row counts [R, E_l] int64 (`call << 32 | count`), records
+        [R, M, 2K] int32, payloads [R, M, stride] bytes) of `slot`."""
         R, M = self.num_ranks, self.max_tokens
         base = self._counter_bytes + slot * self._dispatch_bytes
         counts = base + _up(4 * R)
-        records = counts + _up(4 * R * self.num_local)
+        records = counts + _up(8 * R * self.num_local)
         payloads = records + _up(4 * R * M * 2 * self.num_topk)
         return base, counts, records, payloads
 
@@ -93,9 +99,14 @@ class LowLatencyLayout:
         rows = _up(2 * self.max_tokens * self.num_topk * self.hidden)
         return self._counter_bytes + 2 * self._dispatch_bytes + slot * rows
 
+    def local_rows(self, slot: int) -> int:
+        """[M, K] int32 of `slot`: the row of the expert outputs holding (token, top-k slot)
+        where this rank owns the expert and the reduce reads it there (`direct`)."""
+        return self.combine(2) + slot * _up(4 * self.max_tokens * self.num_topk)
+
     @property
     def total(self) -> int:
-        return self.combine(2)
+        return self.local_rows(2)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -217,11 +228,11 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                      records_off, payload_off, payload_stride, USE_FP8: tl.constexpr,
                      ROUND_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
-    """Program (token slot t, channel part p) of M * P, P = ceil(H / BLOCK_C): part 0 also
-    writes the token's records and row counts. x_ptr: [T, H] bf16 bits (int16); idx_ptr:
-    [T, K] int32/int64; mask_ptr: [R] int32; epoch_ptr: this slot's dispatch count (int64,
-    local); error_ptr: int32 flag."""
-    _, t, part = _program(max_tokens, num_parts)
+    """Program (token slot t, part p) of M * (P + 1), P = ceil(H / BLOCK_C): parts below P
+    send a channel part of the token, part P (its routing program) its records and row counts,
+    in parallel. x_ptr: [T, H] bf16 bits (int16); idx_ptr: [T, K] int32/int64; mask_ptr: [R]
+    int32; epoch_ptr: this slot's dispatch count (int64, local); error_ptr: int32 flag."""
+    _, t, part = _program(max_tokens, num_parts + 1)
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
@@ -246,7 +257,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
     to_rank = tl.max((first[:, None] & (dest[:, None] == rr[None, :])).to(tl.int32), 0) > 0
     slot_bytes = (rank * max_tokens + t).to(tl.int64)
     # phase-mark: ll-send-slots
-    if part == 0:
+    if part == num_parts:
         # 3. Positions and counts need every token's slots: has[t', k] = token t' chose slot
         # k's expert. Records go to every live rank (all -1 where the token goes elsewhere).
         tt = tl.arange(0, BLOCK_T)
@@ -265,24 +276,15 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                 tl.store(record + kk, tl.where(first & (dest == r), local, -1), mask=kmask)
                 tl.store(record + num_topk + kk, position, mask=kmask)
         target = tl.load(bases_ptr + tl.where(dest >= 0, dest, 0))
-        counts = (target + counts_off + (rank * num_local + local).to(tl.int64) * 4).to(
-            tl.pointer_type(tl.int32))
-        tl.store(counts, position + 1, mask=first & (later == 0))
-        for g0 in range(0, num_experts, max_tokens):  # experts nobody chose count 0
-            g = g0 + t
-            owner = g // num_local
-            owner_live = total(tl.where((rr == owner) & live, 1, 0)) > 0
-            chosen = sum_along(sum_along(tl.where(table == g, 1, 0), 1), 0)
-            if (g < num_experts) & owner_live & (chosen == 0):
-                base = total(tl.where(rr == owner, bases, 0))
-                zero = (base + counts_off + (rank * num_local + g % num_local).to(tl.int64) * 4)
-                tl.store(zero.to(tl.pointer_type(tl.int32)), 0)
+        counts = (target + counts_off + (rank * num_local + local).to(tl.int64) * 8).to(
+            tl.pointer_type(tl.int64))
+        tl.store(counts, (call << 32) | (position + 1), mask=first & (later == 0))
         if t == 0:
             ntok = (bases + ntok_off + rank * 4).to(tl.pointer_type(tl.int32))
             tl.store(ntok, tl.where(live, num_tokens, 0), mask=live)
     # phase-mark: ll-send-records
     # 4. This part of the payload, cast in registers, to each destination.
-    if mine:
+    if mine & (part < num_parts):
         cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cc < hidden
         bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc, mask=cmask, other=0)
@@ -313,28 +315,29 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                            + slot_bytes * payload_stride)
                     tl.store(_at(row, tl.int16, ALIGN) + cc, bits, mask=cmask)
     # phase-mark: ll-send-payload
-    # 5. Arrived at every live destination (M * P per call).
+    # 5. Arrived at every live destination (M * (P + 1) per call).
     arrive = (bases + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
     add_counters(arrive, live)
     # phase-mark: ll-send-arrived
 
 
 @triton.jit(do_not_specialize=[
-    "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "num_topk", "timeout",
-    "arrive_off", "free_off", "ntok_off", "counts_off", "records_off", "payload_off",
-    "payload_stride", "num_scale_cols", "has_stats", "has_wait"])
-def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, hidden,
-                     num_topk, mask_ptr, epoch_ptr, done_ptr, error_ptr, timeout, arrive_off,
-                     free_off, ntok_off, counts_off, records_off, payload_off, payload_stride,
-                     recv_x_ptr, scales_ptr, num_scale_cols, src_info_ptr, slot_ptr,
-                     count_ptr, range_ptr, stats_ptr, has_stats, wait_ptr, has_wait,
+    "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "senders", "num_topk",
+    "timeout", "arrive_off", "free_off", "ntok_off", "counts_off", "records_off",
+    "payload_off", "payload_stride", "num_scale_cols", "has_stats", "has_wait"])
+def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, senders,
+                     hidden, num_topk, mask_ptr, epoch_ptr, done_ptr, error_ptr, timeout,
+                     arrive_off, free_off, ntok_off, counts_off, records_off, payload_off,
+                     payload_stride, recv_x_ptr, scales_ptr, num_scale_cols, src_info_ptr,
+                     slot_ptr, count_ptr, range_ptr, stats_ptr, has_stats, wait_ptr, has_wait,
                      USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_K: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
                      ALIGN: tl.constexpr):
     """Program (source s, token slot t, channel part p) of R * M * P. Outputs (local): recv_x
     [E_l, R*M, H] (bf16 bits int16, or fp8 bytes uint8), scales [E_l, S', R*M] (float32, or
     the bytes (uint8) of UE8M0 int32 words), src_info and slot [E_l, R*M] int32, count [E_l]
-    int32, range [E_l, R] int64, stats [E_l] int32, wait [R] int64."""
+    int32, range [E_l, R] int64, stats [E_l] int32, wait [R] int64. senders: the programs of
+    a source's `ll_dispatch_send` (M times its parts + 1), each of which arrives once per call."""
     src, t, part = _program(max_tokens, num_parts)
     pid = tl.program_id(0)
     rows = num_ranks * max_tokens
@@ -342,15 +345,16 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
     # phase-mark: ll-recv-start
-    ok = _await_arrivals(own + arrive_off, live, call * max_tokens * num_parts, timeout,
+    ok = _await_arrivals(own + arrive_off, live, call * senders, timeout,
                          pid == 0, wait_ptr, has_wait, error_ptr, DISPATCH_TIMEOUT, rr,
                          num_ranks)
     # phase-mark: ll-recv-arrived
     ee = tl.arange(0, BLOCK_E)
     emask = ee < num_local
-    counts = tl.load((own + counts_off).to(tl.pointer_type(tl.int32))
-                     + rr[:, None] * num_local + ee[None, :],
-                     mask=ok[:, None] & emask[None, :], other=0, volatile=True)
+    words = tl.load((own + counts_off).to(tl.pointer_type(tl.int64))
+                    + rr[:, None] * num_local + ee[None, :],
+                    mask=ok[:, None] & emask[None, :], other=0)
+    counts = tl.where((words >> 32) == call, words & 0xFFFFFFFF, 0).to(tl.int32)
     begin = exclusive_rows(counts, BLOCK_R)  # [R, E_l]: first row of each source
     if pid == 0:
         per_expert = sum_along(counts, 0)
@@ -363,14 +367,14 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
             tl.store(stats_ptr + ee, old + per_expert, mask=emask)
     # phase-mark: ll-recv-counts
     src_ok = total(tl.where((rr == src) & ok, 1, 0)) > 0
-    ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)), volatile=True)
+    ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)))
     if src_ok & (t < ntok):
         kk = tl.arange(0, BLOCK_K)
         kmask = kk < num_topk
         slot_bytes = (src * max_tokens + t).to(tl.int64)
         record = (own + records_off + slot_bytes * 8 * num_topk).to(tl.pointer_type(tl.int32))
-        local = tl.load(record + kk, mask=kmask, other=-1, volatile=True)
-        position = tl.load(record + num_topk + kk, mask=kmask, other=0, volatile=True)
+        local = tl.load(record + kk, mask=kmask, other=-1)
+        position = tl.load(record + num_topk + kk, mask=kmask, other=0)
         begin_src = sum_along(tl.where(rr[:, None] == src, begin, 0), 0)          # [E_l]
         first = sum_along(tl.where(ee[None, :] == local[:, None], begin_src[None, :], 0), 1)
         take = local >= 0
@@ -381,31 +385,33 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
         payload = own + payload_off + slot_bytes * payload_stride
         cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cc < hidden
+        # One [K, C] store of the part into every taken row: a loop over the slots would pick
+        # each slot's row out of the block with a block-wide reduction (a barrier each).
+        both = take[:, None] & cmask[None, :]
+        to = recv_x_ptr + out_row[:, None] * hidden + cc[None, :]
         if USE_FP8:
-            data = tl.load(_at(payload, tl.uint8, 16) + cc, mask=cmask, volatile=True)
+            data = tl.load(_at(payload, tl.uint8, 16) + cc, mask=cmask)
         else:
-            data = tl.load(_at(payload, tl.int16, ALIGN) + cc, mask=cmask, volatile=True)
-        for k in range(0, num_topk):
-            if total(tl.where((kk == k) & take, 1, 0)) > 0:
-                row = total(tl.where(kk == k, out_row, 0))
-                tl.store(recv_x_ptr + row * hidden + cc, data, mask=cmask)
+            data = tl.load(_at(payload, tl.int16, ALIGN) + cc, mask=cmask)
+        tl.store(to, tl.broadcast_to(data[None, :], (BLOCK_K, BLOCK_C)), mask=both)
         if USE_FP8:
-            ss = part * (BLOCK_C // 128) + tl.arange(0, BLOCK_C // 128)
+            S: tl.constexpr = BLOCK_C // 128
+            ss = part * S + tl.arange(0, S)
             smask = ss * 128 < hidden
             scale = tl.load((payload + hidden).to(tl.pointer_type(tl.float32)) + ss,
-                            mask=smask, other=1.0, volatile=True)
-            for k in range(0, num_topk):
-                if total(tl.where((kk == k) & take, 1, 0)) > 0:
-                    row = total(tl.where(kk == k, out_row, 0))
-                    expert = row // rows
-                    j = row % rows
-                    if USE_UE8M0:
-                        byte = ((expert * num_scale_cols + ss // 4) * rows + j) * 4 + ss % 4
-                        exponent = (scale.to(tl.int32, bitcast=True) >> 23) & 0xFF
-                        tl.store(scales_ptr + byte, exponent.to(tl.uint8), mask=smask)
-                    else:
-                        tl.store(scales_ptr + (expert * num_scale_cols + ss) * rows + j, scale,
-                                 mask=smask)
+                            mask=smask, other=1.0)
+            sboth = take[:, None] & smask[None, :]
+            expert = (out_row // rows)[:, None]
+            j = (out_row % rows)[:, None]
+            if USE_UE8M0:
+                byte = ((expert * num_scale_cols + ss[None, :] // 4) * rows + j) * 4 \
+                    + ss[None, :] % 4
+                exponent = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+                tl.store(scales_ptr + byte, tl.broadcast_to(exponent[None, :], (BLOCK_K, S)),
+                         mask=sboth)
+            else:
+                tl.store(scales_ptr + (expert * num_scale_cols + ss[None, :]) * rows + j,
+                         tl.broadcast_to(scale[None, :], (BLOCK_K, S)), mask=sboth)
     # phase-mark: ll-recv-copied
     _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
     # phase-mark: ll-recv-done
@@ -454,15 +460,15 @@ def _logfmt_load(row_addr, rmask, part, num_groups, BLOCK_K: tl.constexpr,
     gg = part * GP + tl.arange(0, GP)
     gmask = rmask[:, None] & (gg < num_groups)[None, :]
     group = row_addr[:, None] + gg[None, :].to(tl.int64) * 164            # [K, GP]
-    header = tl.load(group.to(tl.pointer_type(tl.int32)), mask=gmask, other=0, volatile=True)
+    header = tl.load(group.to(tl.pointer_type(tl.int32)), mask=gmask, other=0)
     top = (header & 0xFFFF)[:, :, None]
     step = (header >> 16)[:, :, None]
     cc = tl.arange(0, 128)
     low = tl.load((group[:, :, None] + 4 + cc[None, None, :]).to(tl.pointer_type(tl.uint8)),
-                  mask=gmask[:, :, None], other=0, volatile=True).to(tl.int32)
+                  mask=gmask[:, :, None], other=0).to(tl.int32)
     high = tl.load((group[:, :, None] + 132 + (cc // 4)[None, None, :])
-                   .to(tl.pointer_type(tl.uint8)), mask=gmask[:, :, None], other=0,
-                   volatile=True).to(tl.int32)
+                   .to(tl.pointer_type(tl.uint8)), mask=gmask[:, :, None],
+                   other=0).to(tl.int32)
     pair = (high >> ((cc % 4) * 2)[None, None, :]) & 3
     code = low | ((pair & 1) << 8)
     magnitude = tl.where(code == 0, 0, tl.maximum(top - (509 - code) * step, 0))
@@ -473,15 +479,17 @@ def _logfmt_load(row_addr, rmask, part, num_groups, BLOCK_K: tl.constexpr,
 # ------------------------------------------------------------------------------- combine
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "num_topk", "timeout",
-    "arrive_off", "free_off", "rows_off"])
+    "arrive_off", "free_off", "rows_off", "local_off", "direct"])
 def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, hidden,
                     num_topk, mask_ptr, epoch_ptr, error_ptr, timeout, arrive_off, free_off,
-                    rows_off, x_ptr, src_info_ptr, slot_ptr, range_ptr, BLOCK_R: tl.constexpr,
-                    BLOCK_C: tl.constexpr, ROWS: tl.constexpr, ALIGN: tl.constexpr,
-                    LOGFMT: tl.constexpr):
+                    rows_off, local_off, direct, x_ptr, src_info_ptr, slot_ptr, range_ptr,
+                    BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
+                    ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
     """Program (local expert e, source s, channel part p) of E_l * R * P: x_ptr [E_l, R*M, H]
     bf16 bits (int16); src_info, slot [E_l, R*M] int32 and range [E_l, R] int64 from the
-    dispatch. ROWS rows per step. LOGFMT: rows go in LogFMT-10 (BLOCK_C a multiple of 128)."""
+    dispatch. ROWS rows per step. LOGFMT: rows go in LogFMT-10 (BLOCK_C a multiple of 128).
+    direct (0/1): rows of this rank's own tokens stay in x, and part 0 writes their row
+    numbers (at `local_off`) for the reduce, which then reads them from x."""
     e, src, part = _program(num_ranks, num_parts)
     rows = num_ranks * max_tokens
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
@@ -495,7 +503,8 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
     tl.debug_barrier()
     # phase-mark: ll-combine-send-freed
     base = tl.load(bases_ptr + src)
-    if total(tl.where(one, 1, 0)) > 0:
+    local = (src == rank) & (direct != 0)
+    if (total(tl.where(one, 1, 0)) > 0) & (~local | (part == 0)):
         packed = tl.load(range_ptr + e * num_ranks + src)
         count = (packed & 0xFFFFFFFF).to(tl.int32)
         first = (packed >> 32).to(tl.int32)
@@ -507,13 +516,19 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
             at = e.to(tl.int64) * rows + first + i0 + ii
             t = tl.load(src_info_ptr + at, mask=imask, other=0)
             k = tl.load(slot_ptr + at, mask=imask, other=0)
-            row = base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2
-            both = imask[:, None] & cmask[None, :]
-            values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both, other=0)
-            if LOGFMT:
-                _logfmt_store(values, row, imask, part, hidden // 128, ROWS, BLOCK_C)
+            if local:
+                rows_of = (own + local_off).to(tl.pointer_type(tl.int32))
+                tl.store(rows_of + t * num_topk + k, at.to(tl.int32), mask=imask)
             else:
-                tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values, mask=both)
+                row = base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2
+                both = imask[:, None] & cmask[None, :]
+                values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both,
+                                 other=0)
+                if LOGFMT:
+                    _logfmt_store(values, row, imask, part, hidden // 128, ROWS, BLOCK_C)
+                else:
+                    tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values,
+                             mask=both)
     # phase-mark: ll-combine-send-copied
     # Arrived at the source (E_l * P per owner and call).
     add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one)
@@ -522,21 +537,25 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
 
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_tokens", "num_experts", "num_local", "max_tokens", "num_parts",
-    "num_topk", "timeout", "arrive_off", "free_off", "rows_off", "has_wait"])
+    "senders", "num_topk", "timeout", "arrive_off", "free_off", "rows_off", "local_off",
+    "direct", "has_wait"])
 def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_local,
-                      max_tokens, num_parts, hidden, num_topk, mask_ptr, epoch_ptr, done_ptr,
-                      error_ptr, timeout, arrive_off, free_off, rows_off, idx_ptr, weights_ptr,
-                      out_ptr, wait_ptr, has_wait, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                      BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
+                      max_tokens, num_parts, senders, hidden, num_topk, mask_ptr, epoch_ptr,
+                      done_ptr, error_ptr, timeout, arrive_off, free_off, rows_off, local_off,
+                      direct, x_ptr, idx_ptr, weights_ptr, out_ptr, wait_ptr, has_wait,
+                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                      ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
     """Program (token slot t, channel part p) of M * P: idx_ptr [T, K] int32/int64,
     weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The K rows of a part are
-    loaded at once (LOGFMT: decoded from LogFMT-10), then added in slot order."""
+    loaded at once (LOGFMT: decoded from LogFMT-10), then added in slot order. direct (0/1,
+    not with LOGFMT): as the combine's send was told; x_ptr its x. senders: the
+    programs of an owner's `ll_combine_send` (E_l times its parts) that arrive here per call."""
     _, t, part = _program(max_tokens, num_parts)
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
     # phase-mark: ll-reduce-start
-    _await_arrivals(own + arrive_off, live, call * num_local * num_parts, timeout,
+    _await_arrivals(own + arrive_off, live, call * senders, timeout,
                     tl.program_id(0) == 0,
                     wait_ptr, has_wait, error_ptr, COMBINE_TIMEOUT, rr, num_ranks)
     # phase-mark: ll-reduce-arrived
@@ -556,8 +575,17 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
             values = bf16_to_f32(_logfmt_load(rows, ids >= 0, part, hidden // 128, BLOCK_K,
                                               BLOCK_C))
         else:
-            values = bf16_to_f32(tl.load(_at(rows, tl.int16, ALIGN)[:, None] + cc[None, :],
-                                         mask=both, other=0, volatile=True))
+            # `direct`: rows of experts this rank owns come from x ([E_l, R*M, H] bf16 bits),
+            # at the row the combine's send noted, instead of through the heap.
+            here = flag_mask((ids >= 0) & (ids // num_local == rank), direct)
+            noted = tl.load((own + local_off).to(tl.pointer_type(tl.int32))
+                            + t * num_topk + source, mask=here, other=0)
+            near = here[:, None] & cmask[None, :]
+            bits = tl.load(x_ptr + noted.to(tl.int64)[:, None] * hidden + cc[None, :],
+                           mask=near, other=0)
+            far = tl.load(_at(rows, tl.int16, ALIGN)[:, None] + cc[None, :],
+                          mask=both & ~near, other=0)
+            values = bf16_to_f32(tl.where(near, bits, far))
         terms = weights[:, None] * values           # [K, C], each rounded to fp32
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         for k in tl.static_range(BLOCK_K):
