@@ -246,6 +246,12 @@ def _rank_main(seed, num_experts, backend, device):
     ref = reference_low_latency_dispatch(x_ref, idx_ref, M, num_experts, group, use_fp8=False)
     assert_equal("combine input written before the hook", combined.cpu(),
                  reference_low_latency_combine(out_ref, ref, w_ref, group))
+    got = buffer.low_latency_dispatch(x, topk_idx, M, num_experts, use_fp8=False)
+    buffer.get_next_low_latency_combine_buffer(got[2]).copy_(expert_out)
+    combined, _, _ = buffer.low_latency_combine(torch.empty_like(expert_out), topk_idx, weights,
+                                                got[2], zero_copy=True)
+    assert_equal("combine (zero_copy)", combined.cpu(),
+                 reference_low_latency_combine(out_ref, ref, w_ref, group))
     _errors(buffer, x, topk_idx, num_experts)
     if backend == "collective" and num_ranks > 1:
         # Ranks whose calls disagree (messages of other sizes: gloo would abort) raise on every
