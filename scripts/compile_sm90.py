@@ -89,7 +89,7 @@ def _constants(fn, shape) -> tuple[dict, int]:
     if fn.__module__ == collective.__name__:
         return _collective_constants(fn, base, K, vec)
     if fn.__name__.startswith("ll_"):  # (a low-latency kernel, or a traced copy of one)
-        tile = LL.GPU_TILES[_LOW_LATENCY_TILES[fn.__name__]]
+        tile = LL.GPU_TILES[fn.__name__]
         return _low_latency_constants(fn, base, R, tile), tile.num_warps
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
@@ -98,10 +98,6 @@ def _constants(fn, shape) -> tuple[dict, int]:
                  GROUP=dispatch.rank_group(TILE["rows"]))
     return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
         TILE["num_warps"]
-
-
-_LOW_LATENCY_TILES = dict(ll_dispatch_send="send", ll_dispatch_recv="recv",
-                          ll_combine_send="combine", ll_combine_reduce="reduce")
 
 
 def _low_latency_constants(fn, base: dict, R: int, tile) -> dict:

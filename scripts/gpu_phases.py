@@ -220,17 +220,13 @@ def _calls(key: str, tokens, hidden, topk, experts, expand, num_sms, device):
         label = (f"dispatch {'expand' if expand else 'compact'}, {buffer.num_sms} programs; "
                  f"event time of the traced dispatch")
         return label, both, dispatch, buffer
-    from epcomm.legacy import Buffer as LegacyBuffer
-    M = max(tokens, 128)  # num_max_dispatch_tokens_per_rank as decode servers set it
-    buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
-                          get_low_latency_rdma_size_hint(M, hidden, 1, experts),
-                          low_latency_mode=True, backend="symmetric",
-                          explicitly_destroy=True)
-    y = torch.randn(experts, M, hidden, device=device).to(torch.bfloat16)
+    from epcomm.bench_paths import low_latency_pair
+    buffer, M, dispatch, combine = low_latency_pair(x, idx, w, experts,
+                                                    explicitly_destroy=True)
 
     def pair():
-        handle = buffer.low_latency_dispatch(x, idx, M, experts, use_fp8=True)[2]
-        buffer.low_latency_combine(y, idx, w, handle)
+        dispatch()
+        combine()
 
     label = (f"low-latency {TARGETS[key].kernel} (FP8 dispatch, M = {M}); event time of the "
              f"traced dispatch + combine")

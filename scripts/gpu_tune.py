@@ -24,6 +24,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
+from epcomm.low_latency import GPU_TILES
 from epcomm.testing.launch import run_local_ranks
 
 CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
@@ -92,8 +93,7 @@ def tiles(tokens, hidden, topk, experts, current_only=False):
 
 LOW_LATENCY_CANDIDATES = [  # channels per program, warps
     (1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 8), (8192, 16)]
-LOW_LATENCY_KERNELS = ("ll_dispatch_send", "ll_dispatch_recv", "ll_combine_send",
-                       "ll_combine_reduce")
+LOW_LATENCY_KERNELS = tuple(GPU_TILES)  # the kernels' names
 
 
 def low_latency_tiles(tokens, hidden, topk, experts, current_only=False):
@@ -101,28 +101,23 @@ def low_latency_tiles(tokens, hidden, topk, experts, current_only=False):
     from torch.profiler import ProfilerActivity, profile
 
     from epcomm import low_latency as LL
-    from epcomm.bench_paths import time_us
-    from epcomm.legacy import Buffer as LegacyBuffer
+    from epcomm.bench_paths import low_latency_pair, time_us
     from epcomm.testing.launch import capture_graph
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, w = example_data(tokens, hidden, topk, experts, device)
-    M = max(tokens, 128)
-    y = torch.randn(experts, M, hidden, device=device).to(torch.bfloat16)
     current = LL.GPU_TILES
     candidates = [None] if current_only else LOW_LATENCY_CANDIDATES
     rows = []
     for candidate in candidates:
         LL.GPU_TILES = current if candidate is None else {
-            name: LL.LowLatencyTile(*candidate, rows=4 if name == "combine" else 1)
+            name: LL.LowLatencyTile(*candidate, rows=4 if name == "ll_combine_send" else 1)
             for name in current}
-        buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
-                              get_low_latency_rdma_size_hint(M, hidden, 1, experts),
-                              low_latency_mode=True, backend="symmetric",
-                              explicitly_destroy=True)
+        buffer, _, dispatch, combine = low_latency_pair(x, idx, w, experts,
+                                                        explicitly_destroy=True)
 
         def pair():
-            handle = buffer.low_latency_dispatch(x, idx, M, experts, use_fp8=True)[2]
-            buffer.low_latency_combine(y, idx, w, handle)
+            dispatch()
+            combine()
 
         for _ in range(3):
             pair()

@@ -36,8 +36,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["PathRow", "run_paths", "low_latency_rows", "format_paths", "plot_paths", "example",
-           "copy_us", "time_us"]
+__all__ = ["PathRow", "run_paths", "low_latency_pair", "low_latency_rows", "format_paths",
+           "plot_paths", "example", "copy_us", "time_us"]
 
 
 @dataclass
@@ -182,20 +182,19 @@ def _paths_of(buffer, backend: str, x, idx, weights, num_experts: int, expand: b
     return rows
 
 
-def low_latency_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
-                     num_experts: int, iters: int, goals: bool) -> list[PathRow]:
-    """V1's low-latency dispatch (FP8) and combine of these tokens at EP=1 (see the module
-    docstring); the floor: a copy of the bytes the pair reads and writes (x read; FP8 rows and
-    scales written and read in staging, written to the expert-major output; K bf16 rows per
-    token read, written, read back in combine; the output written)."""
+def low_latency_pair(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                     num_experts: int, **options) -> tuple:
+    """V1's low-latency mode on one rank (symmetric transport) for these tokens, with
+    `num_max_dispatch_tokens_per_rank` M = max(T, 128), as decode servers set it, and random
+    expert outputs [E, M, H] bf16: (buffer, M, dispatch, combine), where `dispatch()` is the
+    FP8 dispatch and `combine()` combines the last dispatch's handle. `options` go to the
+    buffer (`explicitly_destroy=True`, ...)."""
     from .legacy import Buffer as LegacyBuffer
-    from .testing.launch import capture_graph
     tokens, hidden = x.shape
-    topk = idx.shape[1]
-    M = max(tokens, 128)  # num_max_dispatch_tokens_per_rank as decode servers set it
+    M = max(tokens, 128)
     buffer = LegacyBuffer(dist.group.WORLD, num_rdma_bytes=LegacyBuffer.
                           get_low_latency_rdma_size_hint(M, hidden, 1, num_experts),
-                          low_latency_mode=True, backend="symmetric")
+                          low_latency_mode=True, backend="symmetric", **options)
     out = torch.randn(num_experts, M, hidden, device=x.device).to(torch.bfloat16)
     state = {}
 
@@ -204,6 +203,21 @@ def low_latency_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
 
     def combine():
         buffer.low_latency_combine(out, idx, weights, state["handle"])
+
+    return buffer, M, dispatch, combine
+
+
+def low_latency_rows(x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor,
+                     num_experts: int, iters: int, goals: bool) -> list[PathRow]:
+    """V1's low-latency dispatch (FP8) and combine of these tokens at EP=1
+    (`low_latency_pair`); the floor: a copy of the bytes the pair reads and writes with every
+    row through the heap (x read; FP8 rows and scales written and read in staging, written to
+    the expert-major output; K bf16 rows per token read, written, read back in combine; the
+    output written)."""
+    from .testing.launch import capture_graph
+    tokens, hidden = x.shape
+    topk = idx.shape[1]
+    buffer, _, dispatch, combine = low_latency_pair(x, idx, weights, num_experts)
 
     def both():
         dispatch()

@@ -73,12 +73,16 @@ class LowLatencyTile:
 # program per token and one for its routing, all resident at once), receive 8.8 -> 8.0 (whole
 # rows, 8 warps), the combine's send 7.1 -> 4.3 (whole rows, 8 warps), reduce 16.4 -> 13.1
 # (whole rows, 16 warps; 128 registers, 4 spill bytes).
-GPU_TILES = dict(send=LowLatencyTile(8192, 8), recv=LowLatencyTile(8192, 8),
-                 combine=LowLatencyTile(8192, 8, rows=4), reduce=LowLatencyTile(8192, 16))
+GPU_TILES = dict(ll_dispatch_send=LowLatencyTile(8192, 8),
+                 ll_dispatch_recv=LowLatencyTile(8192, 8),
+                 ll_combine_send=LowLatencyTile(8192, 8, rows=4),
+                 ll_combine_reduce=LowLatencyTile(8192, 16))
 # Under the interpreter: small parts, so that the tests' rows span several parts and steps as
 # on the GPU, and a different part count per kernel, as the GPU tiles may have.
-CPU_TILES = dict(send=LowLatencyTile(128, 1), recv=LowLatencyTile(256, 1),
-                 combine=LowLatencyTile(128, 1, rows=2), reduce=LowLatencyTile(256, 1))
+CPU_TILES = dict(ll_dispatch_send=LowLatencyTile(128, 1),
+                 ll_dispatch_recv=LowLatencyTile(256, 1),
+                 ll_combine_send=LowLatencyTile(128, 1, rows=2),
+                 ll_combine_reduce=LowLatencyTile(256, 1))
 
 
 def low_latency_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
@@ -754,12 +758,12 @@ class SymmetricLowLatency(LowLatencyTransport):
                     ALIGN=16 if shape.hidden % 8 == 0 else 2)
 
     @staticmethod
-    def _tile(shape: LowLatencyShape, kernel: str) -> tuple[int, dict]:
+    def _tile(shape: LowLatencyShape, kernel) -> tuple[int, dict]:
         """(`kernel`'s programs per row, its tile arguments)."""
-        tile = (CPU_TILES if INTERPRET else GPU_TILES)[kernel]
+        tile = (CPU_TILES if INTERPRET else GPU_TILES)[kernel.__name__]
         parts = -(-shape.hidden // tile.block_c)
         args = dict(num_parts=parts, BLOCK_C=tile.block_c, num_warps=tile.num_warps)
-        if kernel == "combine":
+        if kernel is ll_combine_send:
             args["ROWS"] = tile.rows
         return parts, args
 
@@ -775,7 +779,7 @@ class SymmetricLowLatency(LowLatencyTransport):
                        ntok_off=ntok, counts_off=counts, records_off=records,
                        payload_off=payloads, payload_stride=layout.payload_stride)
         M = shape.max_tokens
-        parts, tile = self._tile(shape, "send")
+        parts, tile = self._tile(shape, ll_dispatch_send)
         senders = M * (parts + 1)  # (each token's parts and its routing program)
         ll_dispatch_send[(senders,)](
             **common, **tile, **offsets, x_ptr=x.view(torch.int16), idx_ptr=topk_idx,
@@ -790,7 +794,7 @@ class SymmetricLowLatency(LowLatencyTransport):
         recv_x = slot.recv_x.view(torch.uint8 if shape.use_fp8 else torch.int16)
 
         def receive() -> None:
-            parts, tile = self._tile(shape, "recv")
+            parts, tile = self._tile(shape, ll_dispatch_recv)
             ll_dispatch_recv[(shape.num_ranks * M * parts,)](
                 **common, **tile, **offsets, max_tokens=M, senders=senders,
                 epoch_ptr=state.epochs[0][index],
@@ -823,7 +827,7 @@ class SymmetricLowLatency(LowLatencyTransport):
         offsets = dict(arrive_off=layout.counters(index, 2), free_off=layout.counters(index, 3),
                        rows_off=layout.combine(index), local_off=layout.local_rows(index),
                        direct=direct)
-        parts, tile = self._tile(shape, "combine")
+        parts, tile = self._tile(shape, ll_combine_send)
         senders = shape.num_local * parts
         x = x.contiguous().view(torch.int16)
         ll_combine_send[(senders * shape.num_ranks,)](
@@ -834,7 +838,7 @@ class SymmetricLowLatency(LowLatencyTransport):
             LOGFMT=use_logfmt)
 
         def receive() -> None:
-            parts, tile = self._tile(shape, "reduce")
+            parts, tile = self._tile(shape, ll_combine_reduce)
             ll_combine_reduce[(shape.max_tokens * parts,)](
                 **common, **tile, **offsets, senders=senders, num_tokens=topk_weights.shape[0],
                 num_experts=shape.num_experts, max_tokens=shape.max_tokens,

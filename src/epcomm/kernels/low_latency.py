@@ -34,8 +34,8 @@ Kernels take heap base addresses (`bases`, int64 `[R]`) and local tensors; they 
 about process groups. What a peer wrote is read with plain loads after the wait for its
 counter: the wait is an acquire at system scope and a CTA barrier follows it, so the loads are
 ordered after the peer's release (volatile loads would also be kept in order among themselves,
-one memory round trip after another). Waits are bounded (`sync.wait_counters`); a timeout ORs the stage's bit
-into the error flag and the kernel goes on.
+one memory round trip after another). Waits are bounded (`sync.wait_counters`); a timeout ORs
+the stage's bit into the error flag and the kernel goes on.
 """
 from __future__ import annotations
 
@@ -548,8 +548,8 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
     """Program (token slot t, channel part p) of M * P: idx_ptr [T, K] int32/int64,
     weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The K rows of a part are
     loaded at once (LOGFMT: decoded from LogFMT-10), then added in slot order. direct (0/1,
-    not with LOGFMT): as the combine's send was told; x_ptr its x. senders: the
-    programs of an owner's `ll_combine_send` (E_l times its parts) that arrive here per call."""
+    not with LOGFMT): as the combine's send was told; x_ptr its x. senders: the programs of an
+    owner's `ll_combine_send` (E_l times its parts) that arrive here per call."""
     _, t, part = _program(max_tokens, num_parts)
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
