@@ -67,17 +67,17 @@ TARGETS = {
         "receive-done",            # payload copied to expand rows, output tails cleared
     )),
     "ll-send": Target("low_latency", "ll_dispatch_send", (
-        "ll-send-start",           # the program's token slot and part, the ranks' bases
+        "ll-send-start",           # bases; the token's ids, the routing table or the row part
         "ll-send-freed",           # every destination has freed the slot's previous use
         "ll-send-slots",           # the token's experts, first slots and ranks
-        "ll-send-records",         # part 0: records, positions and row counts written
+        "ll-send-records",         # routing program: records, positions, row counts written
         "ll-send-payload",         # this part of the row cast and stored at each destination
         "ll-send-arrived",         # the arrival counted at every destination
     )),
     "ll-recv": Target("low_latency", "ll_dispatch_recv", (
         "ll-recv-start",           # the program's source, token slot and part
         "ll-recv-arrived",         # every source's arrivals of this call counted
-        "ll-recv-counts",          # the row counts and their prefix over sources
+        "ll-recv-counts",          # counts, record and row part loaded; counts' prefix
         "ll-recv-copied",          # this part copied into each of the token's expert rows
         "ll-recv-done",            # counted done (the last program frees the slot)
     )),

@@ -68,11 +68,12 @@ class LowLatencyTile:
 
 
 # The symmetric kernels' tiles on the GPU, each kernel's fastest of `scripts/gpu_tune.py
-# --low-latency` (H100, EP=1, H = 7168, M = 128 tokens, FP8; GPU us in one run, parts of 1024
-# channels and 4 warps against the tile chosen): send 18.5 -> 11.1 (whole rows, 8 warps: one
-# program per token and one for its routing, all resident at once), receive 8.8 -> 8.0 (whole
-# rows, 8 warps), the combine's send 7.1 -> 4.3 (whole rows, 8 warps), reduce 16.4 -> 13.1
-# (whole rows, 16 warps; 128 registers, 4 spill bytes).
+# --low-latency` (H100, EP=1, H = 7168, M = 128 tokens, FP8; GPU us in one run): send 10.9
+# (whole rows, 8 warps: one program per token and one for its routing, all resident at once),
+# receive 7.3 (whole rows, 8 warps), reduce 9.5 (whole rows, 16 warps; 60 registers, no spill;
+# 4096 channels and 8 warps 9.6, 2048 and 4 warps 9.7, 1024 and 4 warps 10.9). The combine's
+# send (whole rows, 8 warps, 4 rows a step) is not launched at EP=1; timed when it also moved
+# the rank's own rows, it took 4.3 against 7.1 with parts of 1024 channels and 4 warps.
 GPU_TILES = dict(ll_dispatch_send=LowLatencyTile(8192, 8),
                  ll_dispatch_recv=LowLatencyTile(8192, 8),
                  ll_combine_send=LowLatencyTile(8192, 8, rows=4),
@@ -284,11 +285,13 @@ class LowLatencyTransport:
         raise NotImplementedError
 
     def _send_combine(self, shape: LowLatencyShape, slot: _Slot, index: int, source: _Slot,
-                      x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, *,
-                      peers: tuple, result: torch.Tensor, wait_stats: Optional[torch.Tensor],
-                      use_logfmt: bool, now: bool) -> Callable[[], None]:
-        """Start a combine in `slot` of the dispatch held by `source` and return the callable
-        that reduces into `result` [T, H] bf16. x: [E_l, R * M, H] bf16 expert outputs;
+                      source_index: int, x: torch.Tensor, topk_idx: torch.Tensor,
+                      topk_weights: torch.Tensor, *, peers: tuple, result: torch.Tensor,
+                      wait_stats: Optional[torch.Tensor], use_logfmt: bool,
+                      now: bool) -> Callable[[], None]:
+        """Start a combine in `slot` of the dispatch held by `source` (slot number
+        `source_index`) and return the callable that reduces into `result` [T, H] bf16.
+        x: [E_l, R * M, H] bf16 expert outputs;
         peers: the ranks unmasked at the dispatch and now; use_logfmt: rows travel in
         LogFMT-10 (`epcomm.logfmt`); now: the callable runs right after, before the caller
         can touch x again (no hook)."""
@@ -418,8 +421,8 @@ class LowLatencyTransport:
         T = topk_weights.shape[0]
         result = out if out is not None else slots[index].combined[:T]
         peers = tuple(r for r in source.peers if r not in masked)
-        receive = self._send_combine(shape, slots[index], index, source, x, topk_idx,
-                                     topk_weights, peers=peers, result=result,
+        receive = self._send_combine(shape, slots[index], index, source, handle.slot_index,
+                                     x, topk_idx, topk_weights, peers=peers, result=result,
                                      wait_stats=wait_stats, use_logfmt=use_logfmt,
                                      now=not return_recv_hook)
         if not return_recv_hook:
@@ -612,8 +615,8 @@ class CollectiveLowLatency(LowLatencyTransport):
             e_of, j_of = flat // (R * M), flat % (R * M)
             plane[e_of, j_of] = scales
 
-    def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
-                      result, wait_stats, use_logfmt, now):
+    def _send_combine(self, shape, slot, index, source, source_index, x, topk_idx,
+                      topk_weights, *, peers, result, wait_stats, use_logfmt, now):
         self._agree("low_latency_combine", _message_fields(shape, 1, use_logfmt), peers,
                     tag=6 + index)
         R, cap, H = shape.num_ranks, shape.capacity, shape.hidden
@@ -778,6 +781,7 @@ class SymmetricLowLatency(LowLatencyTransport):
         offsets = dict(arrive_off=layout.counters(index, 0), free_off=layout.counters(index, 1),
                        ntok_off=ntok, counts_off=counts, records_off=records,
                        payload_off=payloads, payload_stride=layout.payload_stride)
+        own_rows_off = layout.own_rows(index)
         M = shape.max_tokens
         parts, tile = self._tile(shape, ll_dispatch_send)
         senders = M * (parts + 1)  # (each token's parts and its routing program)
@@ -797,7 +801,7 @@ class SymmetricLowLatency(LowLatencyTransport):
             parts, tile = self._tile(shape, ll_dispatch_recv)
             ll_dispatch_recv[(shape.num_ranks * M * parts,)](
                 **common, **tile, **offsets, max_tokens=M, senders=senders,
-                epoch_ptr=state.epochs[0][index],
+                own_rows_off=own_rows_off, epoch_ptr=state.epochs[0][index],
                 done_ptr=state.done[0][index], recv_x_ptr=recv_x, scales_ptr=scales,
                 num_scale_cols=shape.scale_columns, src_info_ptr=slot.src_info,
                 slot_ptr=slot.recv_slot, count_ptr=slot.recv_count,
@@ -812,8 +816,8 @@ class SymmetricLowLatency(LowLatencyTransport):
                 self.check_errors(device)
         return receive
 
-    def _send_combine(self, shape, slot, index, source, x, topk_idx, topk_weights, *, peers,
-                      result, wait_stats, use_logfmt, now):
+    def _send_combine(self, shape, slot, index, source, source_index, x, topk_idx,
+                      topk_weights, *, peers, result, wait_stats, use_logfmt, now):
         device = topk_weights.device
         state = self._heap(shape, device)
         masked = tuple(r for r in range(shape.num_ranks) if r not in peers)
@@ -822,25 +826,30 @@ class SymmetricLowLatency(LowLatencyTransport):
         common = self._common(shape, state, mask, error)
         # Received right away, the rows this rank owns skip the heap: the reduce reads them
         # from x, which nothing can change in between (not with LogFMT, whose rows the
-        # reduce decodes).
+        # reduce decodes), at the rows the dispatch's receive noted.
         direct = int(now and not use_logfmt)
         offsets = dict(arrive_off=layout.counters(index, 2), free_off=layout.counters(index, 3),
-                       rows_off=layout.combine(index), local_off=layout.local_rows(index),
-                       direct=direct)
+                       rows_off=layout.combine(index), direct=direct)
         parts, tile = self._tile(shape, ll_combine_send)
         senders = shape.num_local * parts
         x = x.contiguous().view(torch.int16)
-        ll_combine_send[(senders * shape.num_ranks,)](
-            **common, **tile, **offsets, max_tokens=shape.max_tokens,
-            epoch_ptr=state.epochs[1][index],
-            x_ptr=x, src_info_ptr=source.src_info,
-            slot_ptr=source.recv_slot, range_ptr=source.layout_range,
-            LOGFMT=use_logfmt)
+        if not direct or any(r != self.rank for r in peers):
+            ll_combine_send[(senders * shape.num_ranks,)](
+                **common, **tile, **offsets, max_tokens=shape.max_tokens,
+                epoch_ptr=state.epochs[1][index],
+                x_ptr=x, src_info_ptr=source.src_info,
+                slot_ptr=source.recv_slot, range_ptr=source.layout_range,
+                LOGFMT=use_logfmt)
 
         def receive() -> None:
             parts, tile = self._tile(shape, ll_combine_reduce)
+            reduce_common = dict(common)
+            if x.data_ptr() % 16:  # the reduce reads rows of x: hint their alignment
+                reduce_common["ALIGN"] = 2
             ll_combine_reduce[(shape.max_tokens * parts,)](
-                **common, **tile, **offsets, senders=senders, num_tokens=topk_weights.shape[0],
+                **reduce_common, **tile, **offsets, senders=senders,
+                own_rows_off=layout.own_rows(source_index),
+                num_tokens=topk_weights.shape[0],
                 num_experts=shape.num_experts, max_tokens=shape.max_tokens,
                 epoch_ptr=state.epochs[1][index],
                 done_ptr=state.done[1][index], x_ptr=x, idx_ptr=topk_idx,

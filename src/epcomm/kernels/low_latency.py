@@ -13,12 +13,17 @@ the four may split rows differently):
   the destination's arrival counter.
 - `ll_dispatch_recv`, programs (source rank, token slot, part): waits for every live source,
   takes the prefix of the row counts over sources, and copies its part of its token into the
-  rows of its local experts (expert-major outputs, FP8 scales column-major). The last program
-  to finish frees the slot at every source.
+  rows of its local experts (expert-major outputs, FP8 scales column-major); for this rank's
+  own tokens part 0 also notes each (token, first top-k slot of the expert) output row in the
+  heap's own rows. The last program to finish frees the slot at every source.
 - `ll_combine_send`, programs (local expert, source rank, part): writes the expert output
-  rows of that source's tokens into the source's heap at (token, top-k slot).
-- `ll_combine_reduce`, programs (token slot, part): waits for every live owner, then sums the
-  weighted rows of its token in slot order (fp32, one bf16 rounding).
+  rows of that source's tokens into the source's heap at (token, top-k slot). With `direct`
+  (the combine is received right away, rows in bf16) the programs of this rank's own tokens
+  do nothing, and with no other peer the host does not launch it.
+- `ll_combine_reduce`, programs (token slot, part): waits for every live owner (with `direct`
+  not for itself), then sums the weighted rows of its token in slot order (fp32, one bf16
+  rounding), one load per slot: from the heap, or with `direct` for this rank's own experts
+  straight from x at the noted rows.
 
 Heap of one rank, per slot `s` in {0, 1} (`LowLatencyLayout`): int64 counters (dispatch
 arrivals and frees, combine arrivals and frees, one per rank each), the dispatch region (token
@@ -99,14 +104,15 @@ class LowLatencyLayout:
         rows = _up(2 * self.max_tokens * self.num_topk * self.hidden)
         return self._counter_bytes + 2 * self._dispatch_bytes + slot * rows
 
-    def local_rows(self, slot: int) -> int:
-        """[M, K] int32 of `slot`: the row of the expert outputs holding (token, top-k slot)
-        where this rank owns the expert and the reduce reads it there (`direct`)."""
+    def own_rows(self, slot: int) -> int:
+        """[M, K] int32 of dispatch slot `slot`: for this rank's tokens sent to its own
+        experts, the output row of each (token, first top-k slot of the expert), written by
+        the receive; a combine received right away (`direct`) reads those rows from its x."""
         return self.combine(2) + slot * _up(4 * self.max_tokens * self.num_topk)
 
     @property
     def total(self) -> int:
-        return self.local_rows(2)
+        return self.own_rows(2)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -192,13 +198,15 @@ def _await_arrivals(counters, live, target, timeout, timed, wait_ptr, has_wait, 
 def _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask):
     """The receiving kernel's end: the last of its programs to get here (a local count,
     `call * P` after call `call`) frees the slot at every live peer and stores `call` as the
-    slot's count."""
+    slot's count. Returns whether this program was the last."""
     tl.debug_barrier()
     done = tl.atomic_add(done_ptr, 1, sem="acq_rel", scope="gpu")
-    if done == call * tl.num_programs(0) - 1:
+    last = done == call * tl.num_programs(0) - 1
+    if last:
         bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
         add_counters((bases + free_off + rank * 8).to(tl.pointer_type(tl.int64)), live)
         tl.store(epoch_ptr, call)
+    return last
 
 
 @triton.jit
@@ -237,6 +245,25 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
     bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
+    # What the program sends comes from the caller's tensors, which no counter guards: it is
+    # loaded (and masked ranks' ids dropped) first, so that these round trips overlap the
+    # wait below.
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_topk
+    mine = t < num_tokens
+    routing = part == num_parts
+    ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk,
+                  mask=flag_mask(kmask, mine.to(tl.int32)), other=-1).to(tl.int32)
+    tt = tl.arange(0, BLOCK_T)
+    table = tl.load(idx_ptr + tt[:, None].to(tl.int64) * num_topk + kk[None, :],
+                    mask=flag_mask((tt < num_tokens)[:, None] & kmask[None, :],
+                                   routing.to(tl.int32)), other=-1).to(tl.int32)
+    ids = _live_ids(ids, num_experts, num_local, mask_ptr)
+    table = _live_ids(table, num_experts, num_local, mask_ptr)
+    cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cc < hidden
+    bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc,
+                   mask=flag_mask(cmask, (mine & ~routing).to(tl.int32)), other=0)
     # phase-mark: ll-send-start
     # 1. Every live destination has freed this slot's previous use.
     freed = (own + free_off + rr * 8).to(tl.pointer_type(tl.int64))
@@ -245,36 +272,26 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
     tl.debug_barrier()
     # phase-mark: ll-send-freed
     # 2. This token's slots: the first slot of each expert, and the ranks it goes to.
-    kk = tl.arange(0, BLOCK_K)
-    kmask = kk < num_topk
-    mine = t < num_tokens
-    ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk,
-                  mask=flag_mask(kmask, mine.to(tl.int32)), other=-1).to(tl.int32)
-    ids = _live_ids(ids, num_experts, num_local, mask_ptr)
     first = (ids >= 0) & (_first_slots(ids, kk, BLOCK_K) == kk)
     local = tl.where(ids >= 0, ids % num_local, -1)
     dest = tl.where(ids >= 0, ids // num_local, -1)
     to_rank = tl.max((first[:, None] & (dest[:, None] == rr[None, :])).to(tl.int32), 0) > 0
     slot_bytes = (rank * max_tokens + t).to(tl.int64)
     # phase-mark: ll-send-slots
-    if part == num_parts:
+    if routing:
         # 3. Positions and counts need every token's slots: has[t', k] = token t' chose slot
-        # k's expert. Records go to every live rank (all -1 where the token goes elsewhere).
-        tt = tl.arange(0, BLOCK_T)
-        tmask = tt < num_tokens
-        table = tl.load(idx_ptr + tt[:, None].to(tl.int64) * num_topk + kk[None, :],
-                        mask=tmask[:, None] & kmask[None, :], other=-1).to(tl.int32)
-        table = _live_ids(table, num_experts, num_local, mask_ptr)
+        # k's expert. Records go to every live rank (all -1 where the token goes elsewhere),
+        # one [R, K] store each.
         has = tl.max((table[:, :, None] == ids[None, None, :]).to(tl.int32), 1)
         position = tl.sum(tl.where(tt[:, None] < t, has, 0), 0)
         later = tl.sum(tl.where(tt[:, None] > t, has, 0), 0)
-        for r in range(0, num_ranks):
-            if mine & (total(tl.where((rr == r) & live, 1, 0)) > 0):
-                base = total(tl.where(rr == r, bases, 0))
-                record = (base + records_off + slot_bytes * 8 * num_topk).to(
-                    tl.pointer_type(tl.int32))
-                tl.store(record + kk, tl.where(first & (dest == r), local, -1), mask=kmask)
-                tl.store(record + num_topk + kk, position, mask=kmask)
+        record = (bases + records_off + slot_bytes * 8 * num_topk).to(
+            tl.pointer_type(tl.int32))[:, None] + kk[None, :]
+        to_live = flag_mask(live, mine.to(tl.int32))[:, None] & kmask[None, :]
+        tl.store(record, tl.where(first[None, :] & (dest[None, :] == rr[:, None]),
+                                  local[None, :], -1), mask=to_live)
+        tl.store(record + num_topk, tl.broadcast_to(position[None, :], (BLOCK_R, BLOCK_K)),
+                 mask=to_live)
         target = tl.load(bases_ptr + tl.where(dest >= 0, dest, 0))
         counts = (target + counts_off + (rank * num_local + local).to(tl.int64) * 8).to(
             tl.pointer_type(tl.int64))
@@ -283,11 +300,10 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
             ntok = (bases + ntok_off + rank * 4).to(tl.pointer_type(tl.int32))
             tl.store(ntok, tl.where(live, num_tokens, 0), mask=live)
     # phase-mark: ll-send-records
-    # 4. This part of the payload, cast in registers, to each destination.
-    if mine & (part < num_parts):
-        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cc < hidden
-        bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc, mask=cmask, other=0)
+    # 4. This part of the payload, cast in registers, to each destination (one [R, C] store).
+    if mine & ~routing:
+        rows = bases + payload_off + slot_bytes * payload_stride                  # [R]
+        both = to_rank[:, None] & cmask[None, :]
         if USE_FP8:
             # IEEE divisions (`/` is approximate for fp32 on the GPU), operands of one shape
             values = tl.reshape(bf16_to_f32(bits), (BLOCK_C // 128, 128))
@@ -300,20 +316,15 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
             scaled = tl.math.div_rn(values, tl.broadcast_to(scale[:, None],
                                                             (BLOCK_C // 128, 128)))
             codes = tl.reshape(f32_to_e4m3(scaled), (BLOCK_C,)).to(tl.uint8)
+            tl.store(_at(rows, tl.uint8, 16)[:, None] + cc[None, :],
+                     tl.broadcast_to(codes[None, :], (BLOCK_R, BLOCK_C)), mask=both)
             bb = part * (BLOCK_C // 128) + tl.arange(0, BLOCK_C // 128)
-            for r in range(0, num_ranks):
-                if total(tl.where((rr == r) & to_rank, 1, 0)) > 0:
-                    row = (total(tl.where(rr == r, bases, 0)) + payload_off
-                           + slot_bytes * payload_stride)
-                    tl.store(_at(row, tl.uint8, 16) + cc, codes, mask=cmask)
-                    tl.store((row + hidden).to(tl.pointer_type(tl.float32)) + bb, scale,
-                             mask=bb * 128 < hidden)
+            tl.store((rows + hidden).to(tl.pointer_type(tl.float32))[:, None] + bb[None, :],
+                     tl.broadcast_to(scale[None, :], (BLOCK_R, BLOCK_C // 128)),
+                     mask=to_rank[:, None] & (bb * 128 < hidden)[None, :])
         else:
-            for r in range(0, num_ranks):
-                if total(tl.where((rr == r) & to_rank, 1, 0)) > 0:
-                    row = (total(tl.where(rr == r, bases, 0)) + payload_off
-                           + slot_bytes * payload_stride)
-                    tl.store(_at(row, tl.int16, ALIGN) + cc, bits, mask=cmask)
+            tl.store(_at(rows, tl.int16, ALIGN)[:, None] + cc[None, :],
+                     tl.broadcast_to(bits[None, :], (BLOCK_R, BLOCK_C)), mask=both)
     # phase-mark: ll-send-payload
     # 5. Arrived at every live destination (M * (P + 1) per call).
     arrive = (bases + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
@@ -324,36 +335,61 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "senders", "num_topk",
     "timeout", "arrive_off", "free_off", "ntok_off", "counts_off", "records_off",
-    "payload_off", "payload_stride", "num_scale_cols", "has_stats", "has_wait"])
+    "payload_off", "payload_stride", "own_rows_off", "num_scale_cols", "has_stats",
+    "has_wait"])
 def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, senders,
                      hidden, num_topk, mask_ptr, epoch_ptr, done_ptr, error_ptr, timeout,
                      arrive_off, free_off, ntok_off, counts_off, records_off, payload_off,
-                     payload_stride, recv_x_ptr, scales_ptr, num_scale_cols, src_info_ptr,
-                     slot_ptr, count_ptr, range_ptr, stats_ptr, has_stats, wait_ptr, has_wait,
-                     USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_C: tl.constexpr,
-                     ALIGN: tl.constexpr):
+                     payload_stride, own_rows_off, recv_x_ptr, scales_ptr, num_scale_cols,
+                     src_info_ptr, slot_ptr, count_ptr, range_ptr, stats_ptr, has_stats,
+                     wait_ptr, has_wait, USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr,
+                     BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                     BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
     """Program (source s, token slot t, channel part p) of R * M * P. Outputs (local): recv_x
     [E_l, R*M, H] (bf16 bits int16, or fp8 bytes uint8), scales [E_l, S', R*M] (float32, or
     the bytes (uint8) of UE8M0 int32 words), src_info and slot [E_l, R*M] int32, count [E_l]
-    int32, range [E_l, R] int64, stats [E_l] int32, wait [R] int64. senders: the programs of
-    a source's `ll_dispatch_send` (M times its parts + 1), each of which arrives once per call."""
+    int32, range [E_l, R] int64, stats [E_l] int32, wait [R] int64; in the heap at
+    `own_rows_off` the rows of this rank's own tokens ([M, K] int32, `LowLatencyLayout.own_rows`).
+    senders: the programs of a source's `ll_dispatch_send` (M times its parts + 1), each of
+    which arrives once per call."""
     src, t, part = _program(max_tokens, num_parts)
     pid = tl.program_id(0)
     rows = num_ranks * max_tokens
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_topk
+    ee = tl.arange(0, BLOCK_E)
+    emask = ee < num_local
+    cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cc < hidden
+    slot_bytes = (src * max_tokens + t).to(tl.int64)
+    record = (own + records_off + slot_bytes * 8 * num_topk).to(tl.pointer_type(tl.int32))
+    payload = own + payload_off + slot_bytes * payload_stride
     # phase-mark: ll-recv-start
     ok = _await_arrivals(own + arrive_off, live, call * senders, timeout,
                          pid == 0, wait_ptr, has_wait, error_ptr, DISPATCH_TIMEOUT, rr,
                          num_ranks)
     # phase-mark: ll-recv-arrived
-    ee = tl.arange(0, BLOCK_E)
-    emask = ee < num_local
+    # Everything the program reads of the heap, in one round trip: the row counts, the
+    # source's token count, the token's record and its part of the row (read whether or not
+    # the slot holds a token of this call; only what does is stored).
     words = tl.load((own + counts_off).to(tl.pointer_type(tl.int64))
                     + rr[:, None] * num_local + ee[None, :],
                     mask=ok[:, None] & emask[None, :], other=0)
+    ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)))
+    local = tl.load(record + kk, mask=kmask, other=-1)
+    position = tl.load(record + num_topk + kk, mask=kmask, other=0)
+    if USE_FP8:
+        S: tl.constexpr = BLOCK_C // 128
+        ss = part * S + tl.arange(0, S)
+        smask = ss * 128 < hidden
+        data = tl.load(_at(payload, tl.uint8, 16) + cc, mask=cmask)
+        scale = tl.load((payload + hidden).to(tl.pointer_type(tl.float32)) + ss, mask=smask,
+                        other=1.0)
+    else:
+        data = tl.load(_at(payload, tl.int16, ALIGN) + cc, mask=cmask)
     counts = tl.where((words >> 32) == call, words & 0xFFFFFFFF, 0).to(tl.int32)
     begin = exclusive_rows(counts, BLOCK_R)  # [R, E_l]: first row of each source
     if pid == 0:
@@ -367,51 +403,34 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
             tl.store(stats_ptr + ee, old + per_expert, mask=emask)
     # phase-mark: ll-recv-counts
     src_ok = total(tl.where((rr == src) & ok, 1, 0)) > 0
-    ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)))
-    if src_ok & (t < ntok):
-        kk = tl.arange(0, BLOCK_K)
-        kmask = kk < num_topk
-        slot_bytes = (src * max_tokens + t).to(tl.int64)
-        record = (own + records_off + slot_bytes * 8 * num_topk).to(tl.pointer_type(tl.int32))
-        local = tl.load(record + kk, mask=kmask, other=-1)
-        position = tl.load(record + num_topk + kk, mask=kmask, other=0)
-        begin_src = sum_along(tl.where(rr[:, None] == src, begin, 0), 0)          # [E_l]
-        first = sum_along(tl.where(ee[None, :] == local[:, None], begin_src[None, :], 0), 1)
-        take = local >= 0
-        out_row = tl.where(take, local.to(tl.int64) * rows + first + position, 0)
-        if part == 0:
-            tl.store(src_info_ptr + out_row, t, mask=take)
-            tl.store(slot_ptr + out_row, kk, mask=take)
-        payload = own + payload_off + slot_bytes * payload_stride
-        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
-        cmask = cc < hidden
-        # One [K, C] store of the part into every taken row: a loop over the slots would pick
-        # each slot's row out of the block with a block-wide reduction (a barrier each).
-        both = take[:, None] & cmask[None, :]
-        to = recv_x_ptr + out_row[:, None] * hidden + cc[None, :]
-        if USE_FP8:
-            data = tl.load(_at(payload, tl.uint8, 16) + cc, mask=cmask)
+    take = flag_mask(local >= 0, (src_ok & (t < ntok)).to(tl.int32))
+    begin_src = sum_along(tl.where(rr[:, None] == src, begin, 0), 0)              # [E_l]
+    first = sum_along(tl.where(ee[None, :] == local[:, None], begin_src[None, :], 0), 1)
+    out_row = tl.where(take, local.to(tl.int64) * rows + first + position, 0)
+    if part == 0:
+        tl.store(src_info_ptr + out_row, t, mask=take)
+        tl.store(slot_ptr + out_row, kk, mask=take)
+        own_rows = (own + own_rows_off).to(tl.pointer_type(tl.int32))
+        tl.store(own_rows + t * num_topk + kk, out_row.to(tl.int32),
+                 mask=flag_mask(take, (src == rank).to(tl.int32)))
+    # One [K, C] store of the part into every taken row: a loop over the slots would pick
+    # each slot's row out of the block with a block-wide reduction (a barrier each).
+    tl.store(recv_x_ptr + out_row[:, None] * hidden + cc[None, :],
+             tl.broadcast_to(data[None, :], (BLOCK_K, BLOCK_C)),
+             mask=take[:, None] & cmask[None, :])
+    if USE_FP8:
+        sboth = take[:, None] & smask[None, :]
+        expert = (out_row // rows)[:, None]
+        j = (out_row % rows)[:, None]
+        if USE_UE8M0:
+            byte = ((expert * num_scale_cols + ss[None, :] // 4) * rows + j) * 4 \
+                + ss[None, :] % 4
+            exponent = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+            tl.store(scales_ptr + byte, tl.broadcast_to(exponent[None, :], (BLOCK_K, S)),
+                     mask=sboth)
         else:
-            data = tl.load(_at(payload, tl.int16, ALIGN) + cc, mask=cmask)
-        tl.store(to, tl.broadcast_to(data[None, :], (BLOCK_K, BLOCK_C)), mask=both)
-        if USE_FP8:
-            S: tl.constexpr = BLOCK_C // 128
-            ss = part * S + tl.arange(0, S)
-            smask = ss * 128 < hidden
-            scale = tl.load((payload + hidden).to(tl.pointer_type(tl.float32)) + ss,
-                            mask=smask, other=1.0)
-            sboth = take[:, None] & smask[None, :]
-            expert = (out_row // rows)[:, None]
-            j = (out_row % rows)[:, None]
-            if USE_UE8M0:
-                byte = ((expert * num_scale_cols + ss[None, :] // 4) * rows + j) * 4 \
-                    + ss[None, :] % 4
-                exponent = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-                tl.store(scales_ptr + byte, tl.broadcast_to(exponent[None, :], (BLOCK_K, S)),
-                         mask=sboth)
-            else:
-                tl.store(scales_ptr + (expert * num_scale_cols + ss[None, :]) * rows + j,
-                         tl.broadcast_to(scale[None, :], (BLOCK_K, S)), mask=sboth)
+            tl.store(scales_ptr + (expert * num_scale_cols + ss[None, :]) * rows + j,
+                     tl.broadcast_to(scale[None, :], (BLOCK_K, S)), mask=sboth)
     # phase-mark: ll-recv-copied
     _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
     # phase-mark: ll-recv-done
@@ -479,23 +498,24 @@ def _logfmt_load(row_addr, rmask, part, num_groups, BLOCK_K: tl.constexpr,
 # ------------------------------------------------------------------------------- combine
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_local", "max_tokens", "num_parts", "num_topk", "timeout",
-    "arrive_off", "free_off", "rows_off", "local_off", "direct"])
+    "arrive_off", "free_off", "rows_off", "direct"])
 def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts, hidden,
                     num_topk, mask_ptr, epoch_ptr, error_ptr, timeout, arrive_off, free_off,
-                    rows_off, local_off, direct, x_ptr, src_info_ptr, slot_ptr, range_ptr,
+                    rows_off, direct, x_ptr, src_info_ptr, slot_ptr, range_ptr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
                     ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
     """Program (local expert e, source s, channel part p) of E_l * R * P: x_ptr [E_l, R*M, H]
     bf16 bits (int16); src_info, slot [E_l, R*M] int32 and range [E_l, R] int64 from the
     dispatch. ROWS rows per step. LOGFMT: rows go in LogFMT-10 (BLOCK_C a multiple of 128).
-    direct (0/1): rows of this rank's own tokens stay in x, and part 0 writes their row
-    numbers (at `local_off`) for the reduce, which then reads them from x."""
+    direct (0/1): rows of this rank's own tokens stay in x (the reduce reads them there):
+    programs of source s = this rank do nothing, not even arrive (the reduce does not wait
+    for them)."""
     e, src, part = _program(num_ranks, num_parts)
     rows = num_ranks * max_tokens
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
-    one = live & (rr == src)
+    one = live & (rr == src) & ~flag_mask(rr == rank, direct)
     # phase-mark: ll-combine-send-start
     if not wait_counters((own + free_off + rr * 8).to(tl.pointer_type(tl.int64)), one,
                          call - 1, timeout):
@@ -503,8 +523,7 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
     tl.debug_barrier()
     # phase-mark: ll-combine-send-freed
     base = tl.load(bases_ptr + src)
-    local = (src == rank) & (direct != 0)
-    if (total(tl.where(one, 1, 0)) > 0) & (~local | (part == 0)):
+    if total(tl.where(one, 1, 0)) > 0:
         packed = tl.load(range_ptr + e * num_ranks + src)
         count = (packed & 0xFFFFFFFF).to(tl.int32)
         first = (packed >> 32).to(tl.int32)
@@ -516,83 +535,93 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
             at = e.to(tl.int64) * rows + first + i0 + ii
             t = tl.load(src_info_ptr + at, mask=imask, other=0)
             k = tl.load(slot_ptr + at, mask=imask, other=0)
-            if local:
-                rows_of = (own + local_off).to(tl.pointer_type(tl.int32))
-                tl.store(rows_of + t * num_topk + k, at.to(tl.int32), mask=imask)
+            row = base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2
+            both = imask[:, None] & cmask[None, :]
+            values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both, other=0)
+            if LOGFMT:
+                _logfmt_store(values, row, imask, part, hidden // 128, ROWS, BLOCK_C)
             else:
-                row = base + rows_off + (t * num_topk + k).to(tl.int64) * hidden * 2
-                both = imask[:, None] & cmask[None, :]
-                values = tl.load(x_ptr + at[:, None] * hidden + cc[None, :], mask=both,
-                                 other=0)
-                if LOGFMT:
-                    _logfmt_store(values, row, imask, part, hidden // 128, ROWS, BLOCK_C)
-                else:
-                    tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values,
-                             mask=both)
+                tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values, mask=both)
     # phase-mark: ll-combine-send-copied
     # Arrived at the source (E_l * P per owner and call).
     add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one)
     # phase-mark: ll-combine-send-arrived
 
 
+@triton.jit
+def _slot_expert(idx_ptr, row, k, num_topk, num_experts, num_local, mask_ptr):
+    """The expert of top-k slot `k` (a constant) of the token whose ids start at `idx_ptr +
+    row`: -1 past `num_topk`, for an id outside [0, E) or one on a masked rank."""
+    ids = tl.load(idx_ptr + row + k, mask=k < num_topk, other=-1).to(tl.int32)
+    return _live_ids(ids, num_experts, num_local, mask_ptr)
+
+
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_tokens", "num_experts", "num_local", "max_tokens", "num_parts",
-    "senders", "num_topk", "timeout", "arrive_off", "free_off", "rows_off", "local_off",
+    "senders", "num_topk", "timeout", "arrive_off", "free_off", "rows_off", "own_rows_off",
     "direct", "has_wait"])
 def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_local,
                       max_tokens, num_parts, senders, hidden, num_topk, mask_ptr, epoch_ptr,
-                      done_ptr, error_ptr, timeout, arrive_off, free_off, rows_off, local_off,
+                      done_ptr, error_ptr, timeout, arrive_off, free_off, rows_off, own_rows_off,
                       direct, x_ptr, idx_ptr, weights_ptr, out_ptr, wait_ptr, has_wait,
                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                       ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
     """Program (token slot t, channel part p) of M * P: idx_ptr [T, K] int32/int64,
-    weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The K rows of a part are
-    loaded at once (LOGFMT: decoded from LogFMT-10), then added in slot order. direct (0/1,
-    not with LOGFMT): as the combine's send was told; x_ptr its x. senders: the programs of an
-    owner's `ll_combine_send` (E_l times its parts) that arrive here per call."""
+    weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The rows of the token's
+    slots are loaded one slot at a time (one address each; LOGFMT: decoded from LogFMT-10)
+    and added in slot order. direct (0/1, not with LOGFMT): as the combine's send was told;
+    the rows of this rank's experts are then read from x_ptr (its x, [E_l, R*M, H] bf16,
+    ALIGN-aligned rows) at the rows the dispatch's receive noted (`own_rows_off`). senders:
+    the programs of an owner's `ll_combine_send` (E_l times its parts) that arrive here per
+    call."""
     _, t, part = _program(max_tokens, num_parts)
     rr, rmask, live, call, timeout = _prologue(mask_ptr, epoch_ptr, error_ptr, timeout,
                                                num_ranks, BLOCK_R)
     own = tl.load(bases_ptr + rank)
+    here_only = flag_mask(rr == rank, direct)
     # phase-mark: ll-reduce-start
-    _await_arrivals(own + arrive_off, live, call * senders, timeout,
+    _await_arrivals(own + arrive_off, live & ~here_only, call * senders, timeout,
                     tl.program_id(0) == 0,
                     wait_ptr, has_wait, error_ptr, COMBINE_TIMEOUT, rr, num_ranks)
     # phase-mark: ll-reduce-arrived
     if t < num_tokens:
-        kk = tl.arange(0, BLOCK_K)
-        kmask = kk < num_topk
-        ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk, mask=kmask,
-                      other=-1).to(tl.int32)
-        ids = _live_ids(ids, num_experts, num_local, mask_ptr)
-        source = _first_slots(ids, kk, BLOCK_K)
-        weights = tl.load(weights_ptr + t.to(tl.int64) * num_topk + kk, mask=kmask, other=0.0)
-        rows = own + rows_off + (t.to(tl.int64) * num_topk + source) * hidden * 2
         cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
         cmask = cc < hidden
-        both = (ids >= 0)[:, None] & cmask[None, :]
-        if LOGFMT:
-            values = bf16_to_f32(_logfmt_load(rows, ids >= 0, part, hidden // 128, BLOCK_K,
-                                              BLOCK_C))
-        else:
-            # `direct`: rows of experts this rank owns come from x ([E_l, R*M, H] bf16 bits),
-            # at the row the combine's send noted, instead of through the heap.
-            here = flag_mask((ids >= 0) & (ids // num_local == rank), direct)
-            noted = tl.load((own + local_off).to(tl.pointer_type(tl.int32))
-                            + t * num_topk + source, mask=here, other=0)
-            near = here[:, None] & cmask[None, :]
-            bits = tl.load(x_ptr + noted.to(tl.int64)[:, None] * hidden + cc[None, :],
-                           mask=near, other=0)
-            far = tl.load(_at(rows, tl.int16, ALIGN)[:, None] + cc[None, :],
-                          mask=both & ~near, other=0)
-            values = bf16_to_f32(tl.where(near, bits, far))
-        terms = weights[:, None] * values           # [K, C], each rounded to fp32
+        row = t.to(tl.int64) * num_topk
+        x_at = x_ptr.to(tl.int64)
         acc = tl.zeros([BLOCK_C], dtype=tl.float32)
         for k in tl.static_range(BLOCK_K):
-            # row k alone (the others are +0: exact), added in slot order; a skipped slot adds
-            # +0, which leaves acc unchanged (acc is never -0)
-            acc = acc + sum_along(tl.where((kk == k)[:, None] & both, terms, 0.0), 0)
+            expert = _slot_expert(idx_ptr, row, k, num_topk, num_experts, num_local, mask_ptr)
+            # the row travelled once per expert, at the expert's first slot
+            first = expert * 0 + k
+            for j in tl.static_range(k):
+                same = _slot_expert(idx_ptr, row, j, num_topk, num_experts, num_local,
+                                    mask_ptr) == expert
+                first = tl.where(same & (first == k), j, first)
+            weight = tl.load(weights_ptr + row + k, mask=k < num_topk, other=0.0)
+            take = expert >= 0
+            here = flag_mask(take & (expert // num_local == rank), direct)
+            noted = tl.load((own + own_rows_off).to(tl.pointer_type(tl.int32)) + row + first,
+                            mask=here, other=0)
+            at = tl.where(here, x_at + noted.to(tl.int64) * hidden * 2,
+                          own + rows_off + (row + first) * hidden * 2)
+            if LOGFMT:
+                one = tl.full([1], 0, tl.int64)  # the row as a block of one
+                values = tl.reshape(_logfmt_load(one + at,
+                                                 flag_mask(one == 0, take.to(tl.int32)),
+                                                 part, hidden // 128, 1, BLOCK_C), [BLOCK_C])
+            else:
+                values = tl.load(_at(at, tl.int16, ALIGN) + cc,
+                                 mask=flag_mask(cmask, take.to(tl.int32)), other=0)
+            # each term rounded to fp32, then added in slot order; a skipped slot adds +0,
+            # which leaves acc unchanged (acc is never -0)
+            acc = acc + tl.where(take, weight * bf16_to_f32(values), 0.0)
         tl.store(out_ptr + t.to(tl.int64) * hidden + cc, f32_to_bf16(acc), mask=cmask)
     # phase-mark: ll-reduce-summed
-    _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
+    if _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask):
+        # the arrivals this rank's own send skipped with `direct`, so that the count stays
+        # `call * senders` for a later call that waits for them
+        skipped = total(tl.where(here_only & live, senders, 0)).to(tl.int64)
+        tl.atomic_add((own + arrive_off + rank * 8).to(tl.pointer_type(tl.int64)), skipped,
+                      sem="release", scope="gpu")
     # phase-mark: ll-reduce-done

@@ -183,7 +183,7 @@ def reference_low_latency_combine(expert_out: Tensor, dispatched: ReferenceLowLa
     `acc = acc + fp32(w[t, k] * fp32(row))`, with row the expert's row of (this rank, t)
     (after its `reference_logfmt` round trip with `use_logfmt`); a NaN is the canonical
     0x7FC0."""
-    rank, num_ranks = dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
     num_local = expert_out.shape[0]
     outputs = _gather(expert_out.contiguous(), group)
     num_tokens, num_topk = topk_weights.shape
