@@ -74,6 +74,10 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
         bases_ptr="i64", mask_ptr="i32", epoch_ptr="i64", done_ptr="i64", error_ptr="i32",
         recv_x_ptr="u8", scales_ptr="fp32", src_info_ptr="i32", slot_ptr="i32",
         count_ptr="i32", range_ptr="i64", stats_ptr="i32", wait_ptr="i64"),
+    low_latency.ll_dispatch_local: dict(
+        bases_ptr="i64", x_ptr="i16", idx_ptr="i64", mask_ptr="i32", recv_x_ptr="u8",
+        scales_ptr="fp32", src_info_ptr="i32", slot_ptr="i32", count_ptr="i32",
+        range_ptr="i64", stats_ptr="i32"),
     low_latency.ll_combine_send: dict(
         bases_ptr="i64", mask_ptr="i32", epoch_ptr="i64", error_ptr="i32", x_ptr="i16",
         src_info_ptr="i32", slot_ptr="i32", range_ptr="i64"),
@@ -110,6 +114,9 @@ def _low_latency_constants(fn, base: dict, R: int, tile) -> dict:
     if fn.__name__ == "ll_dispatch_recv":
         return dict(constants, USE_FP8=True, USE_UE8M0=False, BLOCK_K=base["BLOCK_K"],
                     BLOCK_E=triton.next_power_of_2(256 // R))
+    if fn.__name__ == "ll_dispatch_local":
+        return dict(BLOCK_C=tile.block_c, USE_FP8=True, ROUND_SCALE=False, USE_UE8M0=False,
+                    BLOCK_T=128, BLOCK_K=base["BLOCK_K"], BLOCK_E=8)
     if fn.__name__ == "ll_combine_send":
         return dict(constants, ROWS=tile.rows, LOGFMT=False)
     return dict(constants, BLOCK_K=base["BLOCK_K"], LOGFMT=False)

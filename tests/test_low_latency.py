@@ -35,12 +35,15 @@ MODES = {"bf16": dict(use_fp8=False), "fp8": dict(use_fp8=True),
 
 
 def _routing(gen, num_tokens, num_experts, num_ranks, rank):
-    """[T, K] int64 distinct experts per token, skewed towards rank 0's experts, ~1/5 -1."""
+    """[T, K] int64 experts per token, skewed towards rank 0's experts, ~1/5 -1, and in ~1/4
+    of the tokens the last slot repeating the first's expert (one row, two weights)."""
     weights = torch.ones(num_experts)
     weights[:num_experts // num_ranks] = 4.0
     rows = [torch.multinomial(weights, K, replacement=False, generator=gen)
             for _ in range(num_tokens)]
     idx = torch.stack(rows) if rows else torch.zeros((0, K), dtype=torch.int64)
+    repeat = torch.rand(idx.shape[0], generator=gen) < 0.25
+    idx[:, -1] = torch.where(repeat, idx[:, 0], idx[:, -1])
     drop = torch.rand(idx.shape, generator=gen) < 0.2
     return torch.where(drop, -1, idx)
 

@@ -11,8 +11,9 @@ local expert `g % E_l`), `M` = `num_max_dispatch_tokens_per_rank`, `T <= M` toke
 Transports. A transport implements the send of a dispatch and of a combine, each returning the
 callable that receives (called at once, or by the hook with `return_recv_hook`):
 - `SymmetricLowLatency`: peer memory (`SymmetricHeap`, one node), the Triton kernels of
-  `epcomm.kernels.low_latency` (two launches per call, device-side counters: sync-free and
-  graph-capturable; a missing peer sets a timeout flag).
+  `epcomm.kernels.low_latency` (two launches per call, one where a rank has nothing to wait
+  for; device-side counters: sync-free and graph-capturable; a missing peer sets a timeout
+  flag).
 - `CollectiveLowLatency`: fixed-size point-to-point messages of the group
   (`torch.distributed.batch_isend_irecv`: gloo for CPU tensors, NCCL for CUDA tensors), one per
   unmasked peer and direction, of `min(K, E_l) * M` row slots each, so that no count has to
@@ -45,7 +46,7 @@ from .fp8 import BLOCK_SIZE, block_scales
 from .kernels import INTERPRET
 from .kernels.launcher import next_power_of_2
 from .kernels.low_latency import (LowLatencyLayout, ll_combine_reduce, ll_combine_send,
-                                  ll_dispatch_recv, ll_dispatch_send)
+                                  ll_dispatch_local, ll_dispatch_recv, ll_dispatch_send)
 from .kernels.sync import timeout_units
 from .nan import canonical_nan_
 
@@ -76,12 +77,14 @@ class LowLatencyTile:
 # the rank's own rows, it took 4.3 against 7.1 with parts of 1024 channels and 4 warps.
 GPU_TILES = dict(ll_dispatch_send=LowLatencyTile(8192, 8),
                  ll_dispatch_recv=LowLatencyTile(8192, 8),
+                 ll_dispatch_local=LowLatencyTile(8192, 8),
                  ll_combine_send=LowLatencyTile(8192, 8, rows=4),
                  ll_combine_reduce=LowLatencyTile(8192, 16))
 # Under the interpreter: small parts, so that the tests' rows span several parts and steps as
 # on the GPU, and a different part count per kernel, as the GPU tiles may have.
 CPU_TILES = dict(ll_dispatch_send=LowLatencyTile(128, 1),
                  ll_dispatch_recv=LowLatencyTile(256, 1),
+                 ll_dispatch_local=LowLatencyTile(128, 1),
                  ll_combine_send=LowLatencyTile(128, 1, rows=2),
                  ll_combine_reduce=LowLatencyTile(256, 1))
 
@@ -689,7 +692,9 @@ class _HeapState:
 class SymmetricLowLatency(LowLatencyTransport):
     """The low-latency transport over peer memory (`SymmetricHeap`, one node): the kernels of
     `epcomm.kernels.low_latency`, two launches per call (send; receive, in the hook with
-    `return_recv_hook`)."""
+    `return_recv_hook`). In a group of one rank the dispatch is one launch that writes the
+    outputs itself (its hook has nothing left to do), and a combine received right away is the
+    reduce alone."""
 
     def __init__(self, group: dist.ProcessGroup, timeout_s: float) -> None:
         super().__init__(group)
@@ -783,6 +788,28 @@ class SymmetricLowLatency(LowLatencyTransport):
                        payload_off=payloads, payload_stride=layout.payload_stride)
         own_rows_off = layout.own_rows(index)
         M = shape.max_tokens
+        scales = slot.scales
+        if scales is None:
+            scales = dummy32
+        elif shape.use_ue8m0:
+            scales = scales.view(torch.uint8)
+        recv_x = slot.recv_x.view(torch.uint8 if shape.use_fp8 else torch.int16)
+        outputs = dict(recv_x_ptr=recv_x, scales_ptr=scales, num_scale_cols=shape.scale_columns,
+                       src_info_ptr=slot.src_info, slot_ptr=slot.recv_slot,
+                       count_ptr=slot.recv_count, range_ptr=slot.layout_range,
+                       stats_ptr=dummy32 if cumulative_stats is None else cumulative_stats,
+                       has_stats=int(cumulative_stats is not None), USE_FP8=shape.use_fp8,
+                       USE_UE8M0=shape.use_ue8m0, BLOCK_K=next_power_of_2(shape.num_topk))
+        if shape.num_ranks == 1:  # nothing to wait for: one launch, nothing left to receive
+            parts, tile = self._tile(shape, ll_dispatch_local)
+            # (8 experts a counting program: an [8, M, K] comparison, 8K elements at M = 128)
+            ll_dispatch_local[(M * parts + -(-shape.num_local // 8),)](
+                **tile, **outputs, bases_ptr=state.heap.bases, x_ptr=x.view(torch.int16),
+                idx_ptr=topk_idx, num_tokens=x.shape[0], num_experts=shape.num_experts,
+                num_local=shape.num_local, max_tokens=M, hidden=shape.hidden,
+                num_topk=shape.num_topk, mask_ptr=mask, own_rows_off=own_rows_off,
+                ROUND_SCALE=round_scale, BLOCK_T=next_power_of_2(M), BLOCK_E=8)
+            return lambda: None
         parts, tile = self._tile(shape, ll_dispatch_send)
         senders = M * (parts + 1)  # (each token's parts and its routing program)
         ll_dispatch_send[(senders,)](
@@ -790,28 +817,15 @@ class SymmetricLowLatency(LowLatencyTransport):
             num_tokens=x.shape[0], num_experts=shape.num_experts, max_tokens=M,
             epoch_ptr=state.epochs[0][index], USE_FP8=shape.use_fp8, ROUND_SCALE=round_scale,
             BLOCK_T=next_power_of_2(M), BLOCK_K=next_power_of_2(shape.num_topk))
-        scales = slot.scales
-        if scales is None:
-            scales = dummy32
-        elif shape.use_ue8m0:
-            scales = scales.view(torch.uint8)
-        recv_x = slot.recv_x.view(torch.uint8 if shape.use_fp8 else torch.int16)
 
         def receive() -> None:
             parts, tile = self._tile(shape, ll_dispatch_recv)
             ll_dispatch_recv[(shape.num_ranks * M * parts,)](
-                **common, **tile, **offsets, max_tokens=M, senders=senders,
+                **common, **tile, **offsets, **outputs, max_tokens=M, senders=senders,
                 own_rows_off=own_rows_off, epoch_ptr=state.epochs[0][index],
-                done_ptr=state.done[0][index], recv_x_ptr=recv_x, scales_ptr=scales,
-                num_scale_cols=shape.scale_columns, src_info_ptr=slot.src_info,
-                slot_ptr=slot.recv_slot, count_ptr=slot.recv_count,
-                range_ptr=slot.layout_range,
-                stats_ptr=dummy32 if cumulative_stats is None else cumulative_stats,
-                has_stats=int(cumulative_stats is not None),
+                done_ptr=state.done[0][index],
                 wait_ptr=dummy64 if wait_stats is None else wait_stats,
-                has_wait=int(wait_stats is not None), USE_FP8=shape.use_fp8,
-                USE_UE8M0=shape.use_ue8m0, BLOCK_K=next_power_of_2(shape.num_topk),
-                BLOCK_E=next_power_of_2(shape.num_local))
+                has_wait=int(wait_stats is not None), BLOCK_E=next_power_of_2(shape.num_local))
             if device.type == "cpu":
                 self.check_errors(device)
         return receive

@@ -1,8 +1,9 @@
 """Triton kernels of the low-latency (decode) dispatch and combine over peer memory.
 
-Four kernels, two per call; with a receive hook the second runs in the hook. Each splits a row
-into parts of BLOCK_C channels, one part per program (P = ceil(H / BLOCK_C), the kernel's own:
-the four may split rows differently):
+Four kernels, two per call; with a receive hook the second runs in the hook (a fifth,
+`ll_dispatch_local`, is the whole dispatch of a group of one rank). Each splits a row into
+parts of BLOCK_C channels, one part per program (P = ceil(H / BLOCK_C), the kernel's own: the
+kernels may split rows differently):
 
 - `ll_dispatch_send`, programs (token slot t < M, part p <= P): part p < P casts its part of
   token `t` (FP8 in registers, or bf16 as is) and writes it once into the heap of each rank one
@@ -225,6 +226,72 @@ def _wait_each(ptrs, mask, target, timeout, stats_ptr, has_stats, rr, num_ranks)
     return arrived
 
 
+@triton.jit
+def _positions(table, ids, tt, t):
+    """For token `t`'s slots (`ids` [K]): how many earlier and how many later tokens of the
+    routing `table` ([T, K], token tt[i] in row i) chose the slot's expert."""
+    has = tl.max((table[:, :, None] == ids[None, None, :]).to(tl.int32), 1)
+    return (tl.sum(tl.where(tt[:, None] < t, has, 0), 0),
+            tl.sum(tl.where(tt[:, None] > t, has, 0), 0))
+
+
+@triton.jit
+def _cast_fp8(bits, ROUND_SCALE: tl.constexpr, BLOCK_C: tl.constexpr):
+    """A part of a row (`bits` [BLOCK_C] bf16 bits) in FP8: (e4m3 codes [BLOCK_C] uint8, one
+    float32 scale per 128 channels, `amax / 448` (a power of two above it with ROUND_SCALE)).
+    IEEE divisions (`/` is approximate for fp32 on the GPU), operands of one shape."""
+    values = tl.reshape(bf16_to_f32(bits), (BLOCK_C // 128, 128))
+    amax = tl.maximum(tl.max(tl.abs(values), 1), 1e-4)
+    scale = tl.math.div_rn(amax, tl.full((BLOCK_C // 128,), 448.0, tl.float32))
+    if ROUND_SCALE:
+        sbits = scale.to(tl.int32, bitcast=True)
+        exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+    scaled = tl.math.div_rn(values, tl.broadcast_to(scale[:, None], (BLOCK_C // 128, 128)))
+    return tl.reshape(f32_to_e4m3(scaled), (BLOCK_C,)).to(tl.uint8), scale
+
+
+@triton.jit
+def _note_rows(src_info_ptr, slot_ptr, own_rows_addr, out_row, take, own, t, kk, num_topk):
+    """Token `t`'s output rows (`out_row` [K] where `take`): its source index and top-k slot
+    in src_info and slot, and where the token is this rank's own (`own`), the row of each
+    slot in the own rows ([M, K] int32 at heap address `own_rows_addr`)."""
+    tl.store(src_info_ptr + out_row, t, mask=take)
+    tl.store(slot_ptr + out_row, kk, mask=take)
+    tl.store(own_rows_addr.to(tl.pointer_type(tl.int32)) + t * num_topk + kk,
+             out_row.to(tl.int32), mask=flag_mask(take, own.to(tl.int32)))
+
+
+@triton.jit
+def _store_rows(recv_x_ptr, scales_ptr, out_row, take, data, scale, part, hidden, rows,
+                num_scale_cols, USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr,
+                BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Store channel part `part` of a token (`data` [BLOCK_C]: e4m3 codes with their `scale`
+    [BLOCK_C / 128], or bf16 bits) into its output rows `out_row` ([K] of the expert-major
+    [E_l, rows, H] recv_x) where `take`: one [K, C] store (a loop over the slots would pick
+    each slot's row out of the block with a block-wide reduction, a barrier each). FP8
+    scales go column-major ([E_l, S', rows] float32, or UE8M0 bytes of int32 words)."""
+    cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+    tl.store(recv_x_ptr + out_row[:, None] * hidden + cc[None, :],
+             tl.broadcast_to(data[None, :], (BLOCK_K, BLOCK_C)),
+             mask=take[:, None] & (cc < hidden)[None, :])
+    if USE_FP8:
+        S: tl.constexpr = BLOCK_C // 128
+        ss = part * S + tl.arange(0, S)
+        sboth = take[:, None] & (ss * 128 < hidden)[None, :]
+        expert = (out_row // rows)[:, None]
+        j = (out_row % rows)[:, None]
+        if USE_UE8M0:
+            byte = ((expert * num_scale_cols + ss[None, :] // 4) * rows + j) * 4 \
+                + ss[None, :] % 4
+            exponent = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
+            tl.store(scales_ptr + byte, tl.broadcast_to(exponent[None, :], (BLOCK_K, S)),
+                     mask=sboth)
+        else:
+            tl.store(scales_ptr + (expert * num_scale_cols + ss[None, :]) * rows + j,
+                     tl.broadcast_to(scale[None, :], (BLOCK_K, S)), mask=sboth)
+
+
 # ------------------------------------------------------------------------------- dispatch
 @triton.jit(do_not_specialize=[
     "rank", "num_ranks", "num_tokens", "num_experts", "num_local", "max_tokens", "num_parts",
@@ -282,9 +349,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
         # 3. Positions and counts need every token's slots: has[t', k] = token t' chose slot
         # k's expert. Records go to every live rank (all -1 where the token goes elsewhere),
         # one [R, K] store each.
-        has = tl.max((table[:, :, None] == ids[None, None, :]).to(tl.int32), 1)
-        position = tl.sum(tl.where(tt[:, None] < t, has, 0), 0)
-        later = tl.sum(tl.where(tt[:, None] > t, has, 0), 0)
+        position, later = _positions(table, ids, tt, t)
         record = (bases + records_off + slot_bytes * 8 * num_topk).to(
             tl.pointer_type(tl.int32))[:, None] + kk[None, :]
         to_live = flag_mask(live, mine.to(tl.int32))[:, None] & kmask[None, :]
@@ -305,17 +370,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
         rows = bases + payload_off + slot_bytes * payload_stride                  # [R]
         both = to_rank[:, None] & cmask[None, :]
         if USE_FP8:
-            # IEEE divisions (`/` is approximate for fp32 on the GPU), operands of one shape
-            values = tl.reshape(bf16_to_f32(bits), (BLOCK_C // 128, 128))
-            amax = tl.maximum(tl.max(tl.abs(values), 1), 1e-4)
-            scale = tl.math.div_rn(amax, tl.full((BLOCK_C // 128,), 448.0, tl.float32))
-            if ROUND_SCALE:
-                sbits = scale.to(tl.int32, bitcast=True)
-                exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
-                scale = (exponent << 23).to(tl.float32, bitcast=True)
-            scaled = tl.math.div_rn(values, tl.broadcast_to(scale[:, None],
-                                                            (BLOCK_C // 128, 128)))
-            codes = tl.reshape(f32_to_e4m3(scaled), (BLOCK_C,)).to(tl.uint8)
+            codes, scale = _cast_fp8(bits, ROUND_SCALE, BLOCK_C)
             tl.store(_at(rows, tl.uint8, 16)[:, None] + cc[None, :],
                      tl.broadcast_to(codes[None, :], (BLOCK_R, BLOCK_C)), mask=both)
             bb = part * (BLOCK_C // 128) + tl.arange(0, BLOCK_C // 128)
@@ -381,15 +436,14 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
     ntok = tl.load((own + ntok_off + src * 4).to(tl.pointer_type(tl.int32)))
     local = tl.load(record + kk, mask=kmask, other=-1)
     position = tl.load(record + num_topk + kk, mask=kmask, other=0)
+    ss = part * (BLOCK_C // 128) + tl.arange(0, BLOCK_C // 128)
     if USE_FP8:
-        S: tl.constexpr = BLOCK_C // 128
-        ss = part * S + tl.arange(0, S)
-        smask = ss * 128 < hidden
         data = tl.load(_at(payload, tl.uint8, 16) + cc, mask=cmask)
-        scale = tl.load((payload + hidden).to(tl.pointer_type(tl.float32)) + ss, mask=smask,
-                        other=1.0)
+        scale = tl.load((payload + hidden).to(tl.pointer_type(tl.float32)) + ss,
+                        mask=ss * 128 < hidden, other=1.0)
     else:
         data = tl.load(_at(payload, tl.int16, ALIGN) + cc, mask=cmask)
+        scale = ss * 0.0  # (no scales)
     counts = tl.where((words >> 32) == call, words & 0xFFFFFFFF, 0).to(tl.int32)
     begin = exclusive_rows(counts, BLOCK_R)  # [R, E_l]: first row of each source
     if pid == 0:
@@ -408,32 +462,79 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
     first = sum_along(tl.where(ee[None, :] == local[:, None], begin_src[None, :], 0), 1)
     out_row = tl.where(take, local.to(tl.int64) * rows + first + position, 0)
     if part == 0:
-        tl.store(src_info_ptr + out_row, t, mask=take)
-        tl.store(slot_ptr + out_row, kk, mask=take)
-        own_rows = (own + own_rows_off).to(tl.pointer_type(tl.int32))
-        tl.store(own_rows + t * num_topk + kk, out_row.to(tl.int32),
-                 mask=flag_mask(take, (src == rank).to(tl.int32)))
-    # One [K, C] store of the part into every taken row: a loop over the slots would pick
-    # each slot's row out of the block with a block-wide reduction (a barrier each).
-    tl.store(recv_x_ptr + out_row[:, None] * hidden + cc[None, :],
-             tl.broadcast_to(data[None, :], (BLOCK_K, BLOCK_C)),
-             mask=take[:, None] & cmask[None, :])
-    if USE_FP8:
-        sboth = take[:, None] & smask[None, :]
-        expert = (out_row // rows)[:, None]
-        j = (out_row % rows)[:, None]
-        if USE_UE8M0:
-            byte = ((expert * num_scale_cols + ss[None, :] // 4) * rows + j) * 4 \
-                + ss[None, :] % 4
-            exponent = ((scale.to(tl.int32, bitcast=True) >> 23) & 0xFF).to(tl.uint8)
-            tl.store(scales_ptr + byte, tl.broadcast_to(exponent[None, :], (BLOCK_K, S)),
-                     mask=sboth)
-        else:
-            tl.store(scales_ptr + (expert * num_scale_cols + ss[None, :]) * rows + j,
-                     tl.broadcast_to(scale[None, :], (BLOCK_K, S)), mask=sboth)
+        _note_rows(src_info_ptr, slot_ptr, own + own_rows_off, out_row, take, src == rank, t,
+                   kk, num_topk)
+    _store_rows(recv_x_ptr, scales_ptr, out_row, take, data, scale, part, hidden, rows,
+                num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
     # phase-mark: ll-recv-copied
     _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
     # phase-mark: ll-recv-done
+
+
+@triton.jit(do_not_specialize=[
+    "num_tokens", "num_experts", "num_local", "max_tokens", "num_parts", "num_topk",
+    "own_rows_off", "num_scale_cols", "has_stats"])
+def ll_dispatch_local(bases_ptr, x_ptr, idx_ptr, num_tokens, num_experts, num_local,
+                      max_tokens, num_parts, hidden, num_topk, mask_ptr, own_rows_off,
+                      recv_x_ptr, scales_ptr, num_scale_cols, src_info_ptr, slot_ptr,
+                      count_ptr, range_ptr, stats_ptr, has_stats, USE_FP8: tl.constexpr,
+                      ROUND_SCALE: tl.constexpr, USE_UE8M0: tl.constexpr,
+                      BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr,
+                      BLOCK_C: tl.constexpr):
+    """The whole dispatch of a group of one rank (every expert local, nothing to wait for), in
+    one launch of M * P + ceil(E_l / BLOCK_E) programs and the outputs of `ll_dispatch_recv`
+    (R = 1). Program (t, p) < M * P casts part p of token t and stores it straight into the
+    row of each of its experts: the row's position is the number of earlier tokens that chose
+    the expert, read off the routing table. Each program after those counts the rows of
+    BLOCK_E experts (count, range, stats). No heap traffic but the own rows.
+
+    Example (M = 2, E_l = 2, K = 2): ids [[1, 0], [1, -1]] give token 0 the rows (expert 1,
+    0) and (expert 0, 0), token 1 the row (expert 1, 1); counts [1, 2]."""
+    pid = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    kmask = kk < num_topk
+    tt = tl.arange(0, BLOCK_T)
+    table = tl.load(idx_ptr + tt[:, None].to(tl.int64) * num_topk + kk[None, :],
+                    mask=(tt < num_tokens)[:, None] & kmask[None, :], other=-1).to(tl.int32)
+    table = _live_ids(table, num_experts, num_local, mask_ptr)
+    if pid < max_tokens * num_parts:
+        t = pid // num_parts
+        part = pid % num_parts
+        mine = t < num_tokens
+        ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk,
+                      mask=flag_mask(kmask, mine.to(tl.int32)), other=-1).to(tl.int32)
+        ids = _live_ids(ids, num_experts, num_local, mask_ptr)
+        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+        bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc,
+                       mask=flag_mask(cc < hidden, mine.to(tl.int32)), other=0)
+        take = (ids >= 0) & (_first_slots(ids, kk, BLOCK_K) == kk)
+        position, _ = _positions(table, ids, tt, t)
+        # (one rank: the local expert is the id)
+        out_row = tl.where(take, ids.to(tl.int64) * max_tokens + position, 0)
+        if part == 0:
+            bases = tl.load(bases_ptr)
+            _note_rows(src_info_ptr, slot_ptr, bases + own_rows_off, out_row, take, mine, t,
+                       kk, num_topk)
+        if USE_FP8:
+            codes, scale = _cast_fp8(bits, ROUND_SCALE, BLOCK_C)
+            _store_rows(recv_x_ptr, scales_ptr, out_row, take, codes, scale, part, hidden,
+                        max_tokens, num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
+        else:
+            _store_rows(recv_x_ptr, scales_ptr, out_row, take, bits, bits, part, hidden,
+                        max_tokens, num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
+    else:
+        ee = (pid - max_tokens * num_parts) * BLOCK_E + tl.arange(0, BLOCK_E)
+        emask = ee < num_local
+        # a token's row of an expert is its expert's first slot
+        earlier = (table[:, :, None] == table[:, None, :]) & (kk[None, None, :] < kk[None, :, None])
+        first = (table >= 0) & (tl.max(earlier.to(tl.int32), 2) == 0)                 # [T, K]
+        chose = (table[None, :, :] == ee[:, None, None]) & first[None, :, :]
+        counts = tl.sum(tl.sum(chose.to(tl.int32), 2), 1)                              # [E]
+        tl.store(count_ptr + ee, counts, mask=emask)
+        tl.store(range_ptr + ee, counts.to(tl.int64), mask=emask)  # (first row 0, count)
+        if has_stats != 0:
+            old = tl.load(stats_ptr + ee, mask=emask, other=0)
+            tl.store(stats_ptr + ee, old + counts, mask=emask)
 
 
 # ------------------------------------------------------------------------------- LogFMT-10
