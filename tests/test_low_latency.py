@@ -9,7 +9,7 @@ flight; `out=`; `zero_copy`; the stats tensors; a stale handle; bad arguments; r
 calls disagree (the collective transport on gloo raises on every rank); on peer memory
 a peer that never calls (a timeout error); the mask API with the last rank masked (and idle).
 CPU: the collective transport on 1 and 3 ranks, the symmetric one under the Triton interpreter
-on 1 and 2 (small shapes: the interpreter is slow). GPU (skipped without CUDA): 2, 4 and 8
+on 1 and 2 (small shapes: the interpreter is slow). GPU (skipped without CUDA): 1, 2, 4 and 8
 processes sharing the GPU on peer memory, 2 on the collective transport, and a CUDA-graph
 replay against eager. The reference itself is checked on a hand-computed example.
 """
@@ -314,6 +314,7 @@ _NO_CUDA = pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("num_ranks,num_experts,backend,device", [
     (1, 4, "collective", "cpu"), (3, 6, "collective", "cpu"), (1, 4, "symmetric", "cpu"),
     (2, 4, "symmetric", "cpu"),
+    pytest.param(1, 4, "symmetric", "cuda", marks=_NO_CUDA),
     pytest.param(2, 4, "symmetric", "cuda", marks=_NO_CUDA),
     pytest.param(4, 8, "symmetric", "cuda", marks=_NO_CUDA),
     pytest.param(8, 16, "symmetric", "cuda", marks=_NO_CUDA),
