@@ -5,8 +5,11 @@
     PYTHONPATH=src python3 scripts/gpu_phases.py --check-marks      (no GPU needed)
 
 Kernels (`--kernel`): `dispatch`, the symmetric backend's dispatch kernel; `ll-send`,
-`ll-recv`, `ll-combine-send`, `ll-reduce`, the four kernels of V1's low-latency mode (FP8
-dispatch, M = max(tokens, 128)). Phase boundaries are explicit marks in the kernel's module
+`ll-recv`, `ll-combine-send`, `ll-reduce`, four kernels of V1's low-latency mode (FP8
+dispatch, M = max(tokens, 128)). At EP=1 only the reduce of those runs (the dispatch of a
+one-rank group is `ll_dispatch_local`, and a combine received right away sends nothing); the
+other three run only with two or more ranks, which this script does not trace, and stop it
+with a message saying so. Phase boundaries are explicit marks in the kernel's module
 (`src/epcomm/kernels/dispatch.py`, `src/epcomm/kernels/low_latency.py`): comment lines of the
 form
 
@@ -259,6 +262,10 @@ def phases(key: str, tokens, hidden, topk, experts, expand, num_sms):
         end.record()
         torch.cuda.synchronize()
         rows = trace.view(TRACE_PROGRAMS, SLOTS)[:, :len(target.marks)]
+        if not bool((rows[:, 0] != 0).any()):
+            raise RuntimeError(f"{target.kernel} did not run: at EP=1 the low-latency dispatch "
+                               "is ll_dispatch_local and a combine received right away is "
+                               "ll_combine_reduce alone")
         results.append((rows[rows[:, 0] != 0].tolist(), start.elapsed_time(end) * 1e3))
     buffer.destroy()
     return label, results
