@@ -15,6 +15,7 @@ replay against eager. The reference itself is checked on a hand-computed example
 """
 import os
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -85,17 +86,25 @@ def _check_dispatch(name, got, ref, mode):
                          check_dtype=True)
 
 
-def _hand_example():
-    """One rank, E = 2, M = 2, H = 128: the reference against values worked out by hand."""
+def _hand_example(backend):
+    """One rank, E = 2, M = 2, H = 128: the reference, and the transport's dispatch (on one
+    rank the symmetric one's `ll_dispatch_local`, whose docstring has this example), against
+    values worked out by hand."""
     group = dist.group.WORLD
     x = torch.ones((2, 128), dtype=torch.bfloat16)
     topk_idx = torch.tensor([[1, 0], [1, -1]])
     ref = reference_low_latency_dispatch(x, topk_idx, 2, 2, group, use_fp8=True)
-    assert ref.recv_count.tolist() == [1, 2]
-    assert ref.layout_range.tolist() == [[1], [2]]     # begin 0, counts 1 and 2
-    assert ref.src_info[1].tolist() == [0, 1]
-    assert ref.rows[1].float().unique().tolist() == [448.0]  # 1 / (1 / 448)
-    assert ref.scales[0].tolist() == [[torch.tensor(1.0) / torch.tensor(448.0)]]
+    buffer = Buffer(group, num_rdma_bytes=Buffer.get_low_latency_rdma_size_hint(2, 128, 1, 2),
+                    low_latency_mode=True, backend=backend, explicitly_destroy=True)
+    (rows, scales), count, handle, _, _ = buffer.low_latency_dispatch(x, topk_idx, 2, 2)
+    for got in (ref, SimpleNamespace(recv_count=count, layout_range=handle[1],
+                                     src_info=handle[0], rows=rows, scales=scales)):
+        assert got.recv_count.tolist() == [1, 2]
+        assert got.layout_range.tolist() == [[1], [2]]     # begin 0, counts 1 and 2
+        assert got.src_info[1][:2].tolist() == [0, 1]
+        assert got.rows[1][:2].float().unique().tolist() == [448.0]  # 1 / (1 / 448)
+        assert got.scales[0][:1].tolist() == [[torch.tensor(1.0) / torch.tensor(448.0)]]
+    buffer.destroy()
     ref = reference_low_latency_dispatch(x, topk_idx, 2, 2, group, use_fp8=True,
                                          round_scale=True, use_ue8m0=True)
     assert ref.rows[1].float().unique().tolist() == [256.0]  # scale 2^-8 >= 1 / 448
@@ -151,7 +160,7 @@ def _rank_main(seed, num_experts, backend, device):
     rank, num_ranks = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     if num_ranks == 1 and device == "cpu":
-        _hand_example()
+        _hand_example(backend)
     num_local = num_experts // num_ranks
     hint = Buffer.get_low_latency_rdma_size_hint(M, H, num_ranks, num_experts)
     buffer = Buffer(group, num_rdma_bytes=hint, low_latency_mode=True, enable_shrink=True,
