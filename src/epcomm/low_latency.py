@@ -781,11 +781,6 @@ class SymmetricLowLatency(LowLatencyTransport):
         state = self._heap(shape, device)
         mask, error, (dummy32, dummy64) = self._device_tensors(device, masked)
         layout = state.layout
-        ntok, counts, records, payloads = layout.dispatch(index)
-        common = self._common(shape, state, mask, error)
-        offsets = dict(arrive_off=layout.counters(index, 0), free_off=layout.counters(index, 1),
-                       ntok_off=ntok, counts_off=counts, records_off=records,
-                       payload_off=payloads, payload_stride=layout.payload_stride)
         own_rows_off = layout.own_rows(index)
         M = shape.max_tokens
         scales = slot.scales
@@ -810,6 +805,11 @@ class SymmetricLowLatency(LowLatencyTransport):
                 num_topk=shape.num_topk, mask_ptr=mask, own_rows_off=own_rows_off,
                 ROUND_SCALE=round_scale, BLOCK_T=next_power_of_2(M), BLOCK_E=8)
             return lambda: None
+        ntok, counts, records, payloads = layout.dispatch(index)
+        common = self._common(shape, state, mask, error)
+        offsets = dict(arrive_off=layout.counters(index, 0), free_off=layout.counters(index, 1),
+                       ntok_off=ntok, counts_off=counts, records_off=records,
+                       payload_off=payloads, payload_stride=layout.payload_stride)
         parts, tile = self._tile(shape, ll_dispatch_send)
         senders = M * (parts + 1)  # (each token's parts and its routing program)
         ll_dispatch_send[(senders,)](

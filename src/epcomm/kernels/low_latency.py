@@ -516,12 +516,11 @@ def ll_dispatch_local(bases_ptr, x_ptr, idx_ptr, num_tokens, num_experts, num_lo
             _note_rows(src_info_ptr, slot_ptr, bases + own_rows_off, out_row, take, mine, t,
                        kk, num_topk)
         if USE_FP8:
-            codes, scale = _cast_fp8(bits, ROUND_SCALE, BLOCK_C)
-            _store_rows(recv_x_ptr, scales_ptr, out_row, take, codes, scale, part, hidden,
-                        max_tokens, num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
+            data, scale = _cast_fp8(bits, ROUND_SCALE, BLOCK_C)
         else:
-            _store_rows(recv_x_ptr, scales_ptr, out_row, take, bits, bits, part, hidden,
-                        max_tokens, num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
+            data, scale = bits, bits  # (no scales)
+        _store_rows(recv_x_ptr, scales_ptr, out_row, take, data, scale, part, hidden,
+                    max_tokens, num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
     else:
         ee = (pid - max_tokens * num_parts) * BLOCK_E + tl.arange(0, BLOCK_E)
         emask = ee < num_local
