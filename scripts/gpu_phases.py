@@ -5,11 +5,11 @@
     PYTHONPATH=src python3 scripts/gpu_phases.py --check-marks      (no GPU needed)
 
 Kernels (`--kernel`): `dispatch`, the symmetric backend's dispatch kernel; `ll-send`,
-`ll-recv`, `ll-combine-send`, `ll-reduce`, four kernels of V1's low-latency mode (FP8
-dispatch, M = max(tokens, 128)). At EP=1 only the reduce of those runs (the dispatch of a
-one-rank group is `ll_dispatch_local`, and a combine received right away sends nothing); the
-other three run only with two or more ranks, which this script does not trace, and stop it
-with a message saying so. Phase boundaries are explicit marks in the kernel's module
+`ll-local`, `ll-recv`, `ll-combine-send`, `ll-reduce`, five kernels of V1's low-latency mode
+(FP8 dispatch, M = max(tokens, 128)). At EP=1 only the local dispatch (`ll_dispatch_local`, the
+dispatch of a one-rank group) and the reduce of those run (a combine received right away sends
+nothing); the other three run only with two or more ranks, which this script does not trace,
+and stop it with a message saying so. Phase boundaries are explicit marks in the kernel's module
 (`src/epcomm/kernels/dispatch.py`, `src/epcomm/kernels/low_latency.py`): comment lines of the
 form
 
@@ -76,6 +76,14 @@ TARGETS = {
         "ll-send-records",         # routing program: records, positions, row counts written
         "ll-send-payload",         # this part of the row cast and stored at each destination
         "ll-send-arrived",         # the arrival counted at every destination
+    )),
+    "ll-local": Target("low_latency", "ll_dispatch_local", (
+        "ll-local-start",          # the program's role: a token part, or a count of experts
+        "ll-local-table",          # the routing table loaded, dead ids -1
+        "ll-local-slots",          # token part: ids, row part, first slots and positions
+        "ll-local-cast",           # token part: the part cast to FP8
+        "ll-local-stored",         # token part: stored into each of its expert rows
+        "ll-local-done",           # every program: its part or its experts' counts written
     )),
     "ll-recv": Target("low_latency", "ll_dispatch_recv", (
         "ll-recv-start",           # the program's source, token slot and part
@@ -264,7 +272,7 @@ def phases(key: str, tokens, hidden, topk, experts, expand, num_sms):
         rows = trace.view(TRACE_PROGRAMS, SLOTS)[:, :len(target.marks)]
         if not bool((rows[:, 0] != 0).any()):
             raise RuntimeError(f"{target.kernel} did not run: at EP=1 the low-latency dispatch "
-                               "is ll_dispatch_local and a combine received right away is "
+                               "is ll_dispatch_local alone and a combine received right away "
                                "ll_combine_reduce alone")
         results.append((rows[rows[:, 0] != 0].tolist(), start.elapsed_time(end) * 1e3))
     buffer.destroy()
@@ -299,8 +307,11 @@ def main():
     print("| mark | earliest us | median us | latest us | median phase us |\n"
           "|---|---:|---:|---:|---:|")
     for i, mark in enumerate(TARGETS[args.kernel].marks):
-        column = since[:, i].tolist()
-        phase = (since[:, i] - since[:, i - 1]).tolist() if i else column
+        # (programs that do not pass a mark, such as ll_dispatch_local's counting ones, have
+        # no time there and are left out of its row)
+        passed = trace[:, i] != 0
+        column = since[passed, i].tolist()
+        phase = (since[passed, i] - since[passed, i - 1]).tolist() if i else column
         print(f"| {mark} | {min(column):.1f} | {statistics.median(column):.1f} | "
               f"{max(column):.1f} | {statistics.median(phase):.1f} |")
 

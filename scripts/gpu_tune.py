@@ -1,11 +1,13 @@
 """Tune the symmetric backend's kernel tiles (GPU machine, EP=1).
 
     PYTHONPATH=src python3 scripts/gpu_tune.py [--tokens 4096] [--hidden 7168] [--current]
+        [--tiles 16/512/8/16/1024/16 ...]
     PYTHONPATH=src python3 scripts/gpu_tune.py --low-latency [--tokens 128]
 
-For each candidate tile of the symmetric backend (its `_GPU_TILE`: rows per tile, copy-step
-width, warps of the dispatch and of the combine kernels) a one-rank symmetric buffer runs
-sync-free compact and expand round trips; the torch profiler gives each kernel's mean GPU time,
+For each candidate tile of the symmetric backend (`_GPU_TILE`, or `_GPU_DECODE_TILE` for a
+buffer of at most 4 tokens per program: rows per tile, copy-step width, warps of the dispatch
+and of the combine kernels) a one-rank symmetric buffer runs sync-free compact and expand
+round trips; the torch profiler gives each kernel's mean GPU time,
 and each compiled kernel's registers per thread and spill bytes are listed. One table; the
 constants in `backends/symmetric/backend.py` cite the winner. `--current`: only the backend's
 tile (an A/B of two trees: run it once with each tree's `src` on PYTHONPATH). Host time:
@@ -35,6 +37,10 @@ CANDIDATES = [  # dispatch rows, block_w, warps | combine rows, block_h, warps
     (32, 512, 16, 16, 512, 8),
     (16, 1024, 16, 8, 2048, 16),
     (8, 256, 4, 4, 1024, 4),
+    # decode sizes: few rows per program, so fewer, wider steps along the hidden dimension
+    (4, 2048, 8, 4, 4096, 16),
+    (4, 1024, 4, 4, 2048, 8),
+    (8, 1024, 8, 4, 2048, 8),
 ]
 
 
@@ -69,25 +75,30 @@ def _kernel_times(buffer, x, idx, w, experts, expand, iters=10):
     return times
 
 
-def tiles(tokens, hidden, topk, experts, current_only=False):
+def tiles(tokens, hidden, topk, experts, current_only=False, candidates=CANDIDATES):
     from epcomm import Buffer
     from epcomm.backends.symmetric import backend as symmetric
     device = torch.device("cuda", torch.cuda.current_device())
     x, idx, w = example_data(tokens, hidden, topk, experts, device)
     names = ("dispatch_kernel", "combine_kernel")
     rows = []
-    candidates = [tuple(symmetric._GPU_TILE[k] for k in (
-        "rows", "block_w", "num_warps", "combine_rows", "block_h", "combine_warps"))] \
-        if current_only else CANDIDATES
-    for rows_d, block_w, warps_d, rows_c, block_h, warps_c in candidates:
-        symmetric._GPU_TILE = dict(rows=rows_d, block_w=block_w, num_warps=warps_d,
-                                   combine_rows=rows_c, block_h=block_h, combine_warps=warps_c)
+    keys = ("rows", "block_w", "num_warps", "combine_rows", "block_h", "combine_warps")
+    if current_only:
+        probe = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+        current = symmetric.gpu_tile(tokens, probe._backend.num_sms)
+        probe.destroy()
+        candidates = [tuple(current[k] for k in keys)]
+    tiles_before = symmetric._GPU_TILE, symmetric._GPU_DECODE_TILE
+    for candidate in candidates:
+        # the candidate whichever tile the buffer's size picks
+        symmetric._GPU_TILE = symmetric._GPU_DECODE_TILE = dict(zip(keys, candidate))
         buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
         for expand in (False, True):
             times = _kernel_times(buffer, x, idx, w, experts, expand)
-            rows.append(((rows_d, block_w, warps_d, rows_c, block_h, warps_c), expand,
+            rows.append((candidate, expand,
                          [times.get(n, float("nan")) for n in names], _registers(buffer)))
         buffer.destroy()
+    symmetric._GPU_TILE, symmetric._GPU_DECODE_TILE = tiles_before
     return rows
 
 
@@ -164,12 +175,22 @@ def shape_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _tile(text: str) -> tuple:
+    values = tuple(int(v) for v in text.split("/"))
+    if len(values) != 6:
+        raise argparse.ArgumentTypeError(f"a tile is six numbers R/W/WARPS/R/W/WARPS: {text!r}")
+    return values
+
+
 def main():
     parser = shape_parser()
     parser.add_argument("--current", action="store_true",
                         help="time only the backend's current tile")
     parser.add_argument("--low-latency", action="store_true",
                         help="tune V1's low-latency kernels instead")
+    parser.add_argument("--tiles", nargs="+", type=_tile, default=CANDIDATES,
+                        help="the candidates to time, each R/W/WARPS/R/W/WARPS (dispatch rows, "
+                        "words per step, warps, then combine rows, bf16 per step, warps)")
     args = parser.parse_args()
     shape = (args.tokens, args.hidden, args.topk, args.experts)
     if args.low_latency:
@@ -182,7 +203,7 @@ def main():
             print(f"| {label} | " + " | ".join(f"{t:.1f}" for t in times)
                   + f" | {replay:.1f} | {registers} |")
         return
-    rows = run_local_ranks(tiles, 1, *shape, args.current, timeout_s=600)[0]
+    rows = run_local_ranks(tiles, 1, *shape, args.current, args.tiles, timeout_s=600)[0]
     print(f"\nEP=1 {args.tokens} x {args.hidden} bf16, top-{args.topk}: mean GPU us per kernel")
     print("| dispatch rows/width/warps | combine rows/width/warps | layout | dispatch | "
           "combine | registers/spill bytes |\n|---|---|---|---|---|---|")

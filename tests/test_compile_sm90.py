@@ -79,7 +79,7 @@ def test_phase_trace_finds_every_mark_and_compiles():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 5, run.stdout  # the dispatch kernel and the 4 low-latency kernels
+    assert len(lines) == 6, run.stdout  # the dispatch kernel and the 5 low-latency kernels
     for line in lines:
         kernel, stamps, marks = line.split()
         # one timer read per mark beyond the kernel's own (timeouts)

@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("triton")
 
 import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from epcomm import errors  # noqa: E402
 from epcomm.kernels import INTERPRET  # noqa: E402
@@ -369,3 +371,39 @@ def test_arg_template_example():
         ArgTemplate((Address(1, offset=4),), base=0)
     with pytest.raises(ValueError, match="expected 2 addresses"):
         template.fill((1,))
+
+
+@triton.jit
+def _work_items_probe(out_ptr, num_rows, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    begin, end, pieces, per = combine._work_items(num_rows, hidden, ROWS, BLOCK_H)
+    pid = tl.program_id(0)
+    tl.store(out_ptr + pid * 4 + tl.arange(0, 4),
+             tl.where(tl.arange(0, 4) == 0, begin,
+                      tl.where(tl.arange(0, 4) == 1, end,
+                               tl.where(tl.arange(0, 4) == 2, pieces, per))))
+
+
+@pytest.mark.parametrize("programs,num_rows,hidden", [
+    (32, 128, 7168), (32, 1, 7168), (132, 4096, 7168), (5, 0, 256), (3, 7, 320), (8, 40, 64)])
+def test_combine_work_items_cover_every_step_once(programs, num_rows, hidden):
+    """`combine._work_items` (its docstring example first): the P programs' items cover every
+    (row tile, hidden step) once, spread over as many programs as there are items."""
+    rows, block_h = 16, 1024 if hidden >= 1024 else 64
+    out = torch.zeros(programs, 4, dtype=i32, device=DEV)
+    _work_items_probe[(programs,)](out, num_rows, hidden, ROWS=rows, BLOCK_H=block_h)
+    out = out.tolist()
+    steps, tiles = -(-hidden // block_h), -(-num_rows // rows)
+    pieces, per = out[0][2], out[0][3]
+    if (programs, num_rows, hidden) == (32, 128, 7168):
+        assert (pieces, per) == (4, 2) and [b for b, _, _, _ in out] == list(range(32))
+    covered = []
+    for begin, end, p, q in out:
+        assert (p, q) == (pieces, per)
+        for w in range(begin, end):
+            tile, piece = divmod(w, pieces)
+            covered += [(tile, step) for step in range(piece * per, min((piece + 1) * per, steps))]
+    assert sorted(covered) == [(t, s) for t in range(tiles) for s in range(steps)]
+    items = tiles * pieces
+    chunk = -(-items // programs)  # program_chunk: equal contiguous chunks
+    assert sum(end > begin for begin, end, _, _ in out) == (-(-items // chunk) if items else 0)
+    assert tiles * pieces >= min(programs, tiles * steps)

@@ -455,3 +455,13 @@ def test_prepared_calls_beyond_the_cache_limit():
     results = run_local_ranks(_prepared_beyond_the_limit, 1)[0]
     assert results == [(7, True, ["filled"]), (6, True, ["filled"]), (5, True, ["filled"]),
                        (7, True, ["filled"]), (7, False, ["filled"])], results
+
+
+def test_gpu_tile_by_tokens_per_program():
+    """A buffer of at most 4 tokens per program gets the decode tile (a send part's tokens in
+    one tile, few wide steps); larger ones the large tile."""
+    from epcomm.backends.symmetric import backend
+    assert backend.gpu_tile(128, 32)["rows"] == 4 and backend.gpu_tile(128, 32)["block_w"] == 2048
+    assert backend.gpu_tile(528, 132) is backend._GPU_DECODE_TILE
+    assert backend.gpu_tile(529, 132) is backend._GPU_TILE
+    assert backend.gpu_tile(4096, 132)["rows"] == 16

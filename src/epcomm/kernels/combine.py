@@ -31,13 +31,34 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (bf16_to_f32, columns, copy_rows, exclusive_columns, f32_to_bf16,
+from .common import (bf16_to_f32, columns, copy_row_span, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, program_chunk, sum_along)
 from .launcher import KernelShape, Launcher, Stage, aligned
 from .sync import (COMBINE_TIMEOUT, add_counters, await_counters, call_signature, own_counters,
                    peer_counters, stamp, stamped_words)
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
+
+
+@triton.jit
+def _work_items(num_rows, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """This program's share of a pass over `num_rows` rows of `hidden` values, as work items:
+    row tiles of ROWS, each cut into `pieces` runs of hidden steps of BLOCK_H, so that a few
+    rows still spread over every program (P programs, 128 rows, ROWS 16: 8 tiles, each in as
+    many pieces as make at least P items, at most one per step). Returns the items
+    [begin, end) and (pieces, steps per piece); item w is tile w // pieces, hidden values
+    [piece * per * BLOCK_H, (piece + 1) * per * BLOCK_H) of it with piece = w % pieces.
+
+    Example: 128 rows, hidden 7168, ROWS 16, BLOCK_H 1024, P 32: 8 tiles of 7 steps, pieces 4
+    (per 2: steps 0-1, 2-3, 4-5, 6), 32 items, one per program."""
+    num_programs = tl.num_programs(0)
+    steps = (hidden + BLOCK_H - 1) // BLOCK_H
+    tiles = (num_rows + ROWS - 1) // ROWS
+    wanted = tl.minimum(tl.maximum((num_programs + tiles - 1) // tl.maximum(tiles, 1), 1), steps)
+    per = (steps + wanted - 1) // wanted
+    pieces = (steps + per - 1) // per
+    begin, end = program_chunk(tiles * pieces)
+    return begin, end, pieces, per
 
 
 @dataclass(frozen=True)
@@ -82,10 +103,13 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 
     psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
-    begin, end = program_chunk(num_rows)
-    for r0 in range(begin, end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        nmask = rows < end
+    begin, end, pieces, per = _work_items(num_rows, hidden, ROWS, BLOCK_H)
+    for w in range(begin, end):
+        piece = w % pieces
+        h0 = piece * per * BLOCK_H
+        h1 = tl.minimum(h0 + per * BLOCK_H, hidden)
+        rows = w // pieces * ROWS + tl.arange(0, ROWS)
+        nmask = rows < num_rows
         n64 = rows.to(tl.int64)
         source = sum_along((psum[None, :] <= rows[:, None]).to(tl.int32), 1)
         # psum is non-decreasing: the rows before source s's block are max(psum[r < s]).
@@ -102,7 +126,7 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             # two loads in flight, and at the 16 x 1024 tile this kernel stays within the 128
             # registers 16 warps allow (all K unrolled: 64 bytes of spills, Triton 3.9).
             targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1)
-            for start in range(0, hidden, BLOCK_H):
+            for start in range(h0, h1, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
                 wmask = columns(offs, hidden, VEC)
                 acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
@@ -121,12 +145,13 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             weights = tl.load(weights_ptr + tl.maximum(targets, 0),
                               mask=flag_mask(hmask & (targets >= 0), has_w), other=0)
         else:
-            copy_rows(x_ptr + tl.multiple_of(n64 * hidden, VEC), half_ptrs(rec, VEC), nmask,
-                      hidden, VEC, BLOCK_H)
+            copy_row_span(x_ptr + tl.multiple_of(n64 * hidden, VEC), half_ptrs(rec, VEC),
+                          nmask, h0, h1, hidden, VEC, BLOCK_H)
             weights = tl.load(weights_ptr + n64[:, None] * K + kk[None, :],
                               mask=flag_mask(hmask, has_w), other=0)
+        # The weights go with the first piece of the row.
         tl.store(i32_ptr(rec)[:, None] + weight_offset + kk[None, :], weights,
-                 mask=flag_mask(hmask, has_w))
+                 mask=flag_mask(hmask, has_w * (piece == 0)))
     if tl.program_id(0) == 0:
         tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
                  stamp(signature, call), mask=rmask)
@@ -158,10 +183,13 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                             rr, rmask, call, num_programs, signature, error_ptr) != 0
 
     base = tl.load(bases_ptr + rank) + region_offset
-    begin, end = program_chunk(num_tokens)
-    for t0 in range(begin, end, ROWS):
-        tt = t0 + tl.arange(0, ROWS)
-        tmask = tt < end
+    begin, end, pieces, per = _work_items(num_tokens, hidden, ROWS, BLOCK_H)
+    for w in range(begin, end):
+        piece = w % pieces
+        h0 = piece * per * BLOCK_H
+        h1 = tl.minimum(h0 + per * BLOCK_H, hidden)
+        tt = w // pieces * ROWS + tl.arange(0, ROWS)
+        tmask = tt < num_tokens
         t64 = tt.to(tl.int64)
         hmask = tmask[:, None] & kmask[None, :]
         slots = tl.load(slot_ptr + t64[:, None] * K + kk[None, :], mask=hmask, other=-1)
@@ -175,7 +203,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
         last = (slots >= 0) & (max_along(later.to(tl.int32), 2) == 0)
         order = exclusive_columns(last.to(tl.int32), BLOCK_K)
         most = max_along(sum_along(last.to(tl.int32), 1), 0)
-        for start in range(0, hidden, BLOCK_H):
+        for start in range(h0, h1, BLOCK_H):
             offs = start + tl.arange(0, BLOCK_H)
             wmask = columns(offs, hidden, VEC)
             mask = tmask[:, None] & wmask[None, :]
@@ -195,7 +223,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                                 & wmask[None, :], other=0)
                 acc += bf16_to_f32(value)
             tl.store(out_ptr + rows, f32_to_bf16(acc), mask=mask)
-        if has_w != 0:
+        if has_w * (piece == 0) != 0:  # the weights go with the first piece of the tile
             rec = i32_ptr(base + tl.maximum(slots, 0).to(tl.int64) * record_words * 4)
             weights = tl.load(rec + weight_offset + kk[None, :], mask=hmask & (slots >= 0),
                               other=0)

@@ -64,9 +64,17 @@ def copy_rows(src, dst, rows_mask, num_words, VEC: tl.constexpr, BLOCK_W: tl.con
     """dst[i][0:num_words] = src[i][0:num_words] for every row i of the block where
     `rows_mask` (src, dst: int32 pointers to row starts; a tile of rows per step keeps many
     loads in flight per program)."""
+    copy_row_span(src, dst, rows_mask, 0, num_words, num_words, VEC, BLOCK_W)
+
+
+@triton.jit
+def copy_row_span(src, dst, rows_mask, start, stop, num_words, VEC: tl.constexpr,
+                  BLOCK_W: tl.constexpr):
+    """`copy_rows` of the words [start, min(stop, num_words)) alone (start: a multiple of
+    BLOCK_W; pointers of any element type)."""
     num_words = tl.multiple_of(num_words, VEC)
-    for start in range(0, num_words, BLOCK_W):
-        offs = start + tl.arange(0, BLOCK_W)
+    for step in range(start, stop, BLOCK_W):
+        offs = step + tl.arange(0, BLOCK_W)
         mask = rows_mask[:, None] & columns(offs, num_words, VEC)[None, :]
         tl.store(dst[:, None] + offs[None, :], tl.load(src[:, None] + offs[None, :], mask=mask),
                  mask=mask)

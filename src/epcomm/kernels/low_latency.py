@@ -491,36 +491,42 @@ def ll_dispatch_local(bases_ptr, x_ptr, idx_ptr, num_tokens, num_experts, num_lo
     Example (M = 2, E_l = 2, K = 2): ids [[1, 0], [1, -1]] give token 0 the rows (expert 1,
     0) and (expert 0, 0), token 1 the row (expert 1, 1); counts [1, 2]."""
     pid = tl.program_id(0)
+    # phase-mark: ll-local-start
+    # Every load first, none depending on another: the row part (none for a counting program,
+    # whose t is past the tokens), the heap base, the routing table.
+    t = pid // num_parts
+    part = pid % num_parts
+    mine = t < num_tokens
+    cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
+    bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc,
+                   mask=flag_mask(cc < hidden, mine.to(tl.int32)), other=0)
+    bases = tl.load(bases_ptr)
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_topk
     tt = tl.arange(0, BLOCK_T)
     table = tl.load(idx_ptr + tt[:, None].to(tl.int64) * num_topk + kk[None, :],
                     mask=(tt < num_tokens)[:, None] & kmask[None, :], other=-1).to(tl.int32)
     table = _live_ids(table, num_experts, num_local, mask_ptr)
+    # phase-mark: ll-local-table
     if pid < max_tokens * num_parts:
-        t = pid // num_parts
-        part = pid % num_parts
-        mine = t < num_tokens
-        ids = tl.load(idx_ptr + t.to(tl.int64) * num_topk + kk,
-                      mask=flag_mask(kmask, mine.to(tl.int32)), other=-1).to(tl.int32)
-        ids = _live_ids(ids, num_experts, num_local, mask_ptr)
-        cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
-        bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc,
-                       mask=flag_mask(cc < hidden, mine.to(tl.int32)), other=0)
+        # the token's ids: its row of the table (all -1 past the tokens)
+        ids = tl.sum(tl.where((tt == t)[:, None], table, 0), 0)
         take = (ids >= 0) & (_first_slots(ids, kk, BLOCK_K) == kk)
         position, _ = _positions(table, ids, tt, t)
         # (one rank: the local expert is the id)
         out_row = tl.where(take, ids.to(tl.int64) * max_tokens + position, 0)
         if part == 0:
-            bases = tl.load(bases_ptr)
             _note_rows(src_info_ptr, slot_ptr, bases + own_rows_off, out_row, take, mine, t,
                        kk, num_topk)
+        # phase-mark: ll-local-slots
         if USE_FP8:
             data, scale = _cast_fp8(bits, ROUND_SCALE, BLOCK_C)
         else:
             data, scale = bits, bits  # (no scales)
+        # phase-mark: ll-local-cast
         _store_rows(recv_x_ptr, scales_ptr, out_row, take, data, scale, part, hidden,
                     max_tokens, num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
+        # phase-mark: ll-local-stored
     else:
         ee = (pid - max_tokens * num_parts) * BLOCK_E + tl.arange(0, BLOCK_E)
         emask = ee < num_local
@@ -534,6 +540,7 @@ def ll_dispatch_local(bases_ptr, x_ptr, idx_ptr, num_tokens, num_experts, num_lo
         if has_stats != 0:
             old = tl.load(stats_ptr + ee, mask=emask, other=0)
             tl.store(stats_ptr + ee, old + counts, mask=emask)
+    # phase-mark: ll-local-done
 
 
 # ------------------------------------------------------------------------------- LogFMT-10

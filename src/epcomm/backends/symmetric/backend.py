@@ -35,6 +35,13 @@ _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs)
 # 128 that 16 warps allow.
 _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=1024,
                  combine_warps=16)
+# Decode sizes (at most 4 tokens per program, so a send part's tokens fit one tile): 4 rows x
+# 2048 words, the same 32 KB per step in 2 steps along 7168 bf16 instead of 7. Measured
+# (scripts/gpu_tune.py --tokens 128, H200, EP=1, 32 programs; compact / expand dispatch us):
+# 16 x 512: 23.6 / 44.4; 4 x 2048 x 8 warps: 19.5 / 29.0; 4 x 1024 x 4: 19.7 / 28.6; 8 x 1024:
+# 21.5 / 36.2. The combine spreads few rows over its programs by itself (its work items) and
+# measured the same with 4 x 4096 (12.7 / 21.0 us against 12.9 / 20.5), so it keeps its tile.
+_GPU_DECODE_TILE = dict(_GPU_TILE, rows=4, block_w=2048)
 # Tokens per program of the default grid, and its least programs. At 128 tokens (EP=1, hidden
 # 7168, top-8, 256 experts, H200) the kernels' fixed costs shrink with more programs up to
 # about 32: dispatch compact / expand 39.3 / 78.1 us of kernel time on 8 programs (one per 16
@@ -45,6 +52,12 @@ _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=102
 _TOKENS_PER_PROGRAM = 4
 _MIN_PROGRAMS = 32
 _CPU_TILE = dict(rows=4, block_w=64, num_warps=1, combine_rows=4, block_h=64, combine_warps=1)
+
+
+def gpu_tile(tokens_per_rank: int, programs: int) -> dict:
+    """The GPU tile of a buffer for `tokens_per_rank` tokens on `programs` programs."""
+    return _GPU_DECODE_TILE if tokens_per_rank <= _GPU_DECODE_TILE["rows"] * programs \
+        else _GPU_TILE
 
 
 def _local_reason(config: BufferConfig) -> str:
@@ -104,7 +117,7 @@ class SymmetricBackend(Backend):
         self.max_rows = R * S  # compact rows a dispatch can receive
         bf16_words, fp8_words = hidden_payload_words(H)
         self.combine_layout = combine_kernels.CombineLayout(H, K)
-        tile = _GPU_TILE if self.device.type == "cuda" else _CPU_TILE
+        tile = gpu_tile(S, programs) if self.device.type == "cuda" else _CPU_TILE
         self.shape = KernelShape(R, K, _vector_words([*bf16_words, *fp8_words], 4),
                                  min(tile["block_w"], _block(H // 2)), tile["rows"], programs,
                                  tile["num_warps"])
