@@ -7,7 +7,7 @@ combine staging region `[R, S]`, block d written only by rank d: record `d * S +
 rank d returns for the p-th token this rank sent it, the bf16 row (H values) then, at word
 `weight_offset`, K fp32 weights.
 
-Send part (P programs, compact rows split into P chunks):
+Send part (P programs over the compact rows' work items, `_work_items`):
 1. wait until every source has reduced what this rank returned the call before (free);
 2. for compact row n, received from rank s as its p-th token: record `rank * S + p` of s's
    region gets the row `x[n]` (compact) or the fp32 sum, rounded once to bf16, of the rows
@@ -15,7 +15,7 @@ Send part (P programs, compact rows split into P chunks):
 3. program 0 stores this call's stamp into every source's stamp slot; add 1 to every source's
    ready counter (release).
 
-Reduce part (the same P programs, tokens split into P chunks): wait for every ready counter and
+Reduce part (the same P programs over the tokens' work items): wait for every ready counter and
 check the stamps (a peer out of step or whose call had weights where this one has none, or the
 reverse, or one that never arrived, is flagged, and its rows are left out), then
 `combined[t] = bf16(0.0 + bias0 + bias1 + the rows of the last slot of each rank, in slot
