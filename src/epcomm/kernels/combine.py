@@ -61,6 +61,15 @@ def _work_items(num_rows, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
     return begin, end, pieces, per
 
 
+@triton.jit
+def _work_item(w, pieces, per, hidden, ROWS: tl.constexpr, BLOCK_H: tl.constexpr):
+    """Item `w` of `_work_items`: its rows [ROWS], its piece and the hidden values [h0, h1)."""
+    piece = w % pieces
+    h0 = piece * per * BLOCK_H
+    return w // pieces * ROWS + tl.arange(0, ROWS), piece, h0, \
+        tl.minimum(h0 + per * BLOCK_H, hidden)
+
+
 @dataclass(frozen=True)
 class CombineLayout:
     """Word layout of a combine record: `[bf16 row (H values) | K fp32 weights]`, 16-byte aligned."""
@@ -105,10 +114,7 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
     begin, end, pieces, per = _work_items(num_rows, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
-        piece = w % pieces
-        h0 = piece * per * BLOCK_H
-        h1 = tl.minimum(h0 + per * BLOCK_H, hidden)
-        rows = w // pieces * ROWS + tl.arange(0, ROWS)
+        rows, piece, h0, h1 = _work_item(w, pieces, per, hidden, ROWS, BLOCK_H)
         nmask = rows < num_rows
         n64 = rows.to(tl.int64)
         source = sum_along((psum[None, :] <= rows[:, None]).to(tl.int32), 1)
@@ -185,10 +191,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     base = tl.load(bases_ptr + rank) + region_offset
     begin, end, pieces, per = _work_items(num_tokens, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
-        piece = w % pieces
-        h0 = piece * per * BLOCK_H
-        h1 = tl.minimum(h0 + per * BLOCK_H, hidden)
-        tt = w // pieces * ROWS + tl.arange(0, ROWS)
+        tt, piece, h0, h1 = _work_item(w, pieces, per, hidden, ROWS, BLOCK_H)
         tmask = tt < num_tokens
         t64 = tt.to(tl.int64)
         hmask = tmask[:, None] & kmask[None, :]
