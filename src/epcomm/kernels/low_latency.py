@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
+from . import INTERPRET
 from .common import bf16_to_f32, exclusive_rows, f32_to_bf16, flag_mask, sum_along, total
 from .sync import (COMBINE_TIMEOUT, DISPATCH_TIMEOUT, add_counters, clock_ns, wait_counters)
 
@@ -117,11 +118,18 @@ class LowLatencyLayout:
 
 
 # ------------------------------------------------------------------------------- helpers
+# The GPU takes shortcuts to the interpreter's exact results: the FP8 conversion is one
+# hardware instruction (`cvt.rn.satfinite`; the interpreter's own conversion rounds otherwise),
+# and a division by a row's scale three multiply-adds (older interpreters round an fma twice).
+# A GPU test checks both on every (value, scale) the FP8 cast can meet.
+_ON_GPU = tl.constexpr(not INTERPRET)
+
+
 @triton.jit
 def f32_to_e4m3(v):
     """fp32 -> float8_e4m3fn bits (int32 0..255), rounding to nearest even like torch;
     magnitudes past 448 saturate to 448 (the callers' values are at most 448 plus rounding).
-    Integer arithmetic, so the GPU and the interpreter agree bit for bit."""
+    Integer arithmetic, which the interpreter runs exactly as the GPU does."""
     bits = v.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     a = tl.abs(v)
@@ -227,28 +235,69 @@ def _wait_each(ptrs, mask, target, timeout, stats_ptr, has_stats, rr, num_ranks)
 
 
 @triton.jit
-def _positions(table, ids, tt, t):
+def _positions(table, ids, tt, t, kk, BLOCK_K: tl.constexpr):
     """For token `t`'s slots (`ids` [K]): how many earlier and how many later tokens of the
-    routing `table` ([T, K], token tt[i] in row i) chose the slot's expert."""
-    has = tl.max((table[:, :, None] == ids[None, None, :]).to(tl.int32), 1)
-    return (tl.sum(tl.where(tt[:, None] < t, has, 0), 0),
-            tl.sum(tl.where(tt[:, None] > t, has, 0), 0))
+    routing `table` ([T, K], token tt[i] in row i, columns kk) chose the slot's expert.
+    has[i, k] (row i holds ids[k]) is built column by column, in the table's own layout: a
+    [T, K, K] comparison reduced over its middle axis would cross warps (dozens of barriers)."""
+    has = (table * 0) != 0
+    for j in tl.static_range(BLOCK_K):
+        column = tl.sum(tl.where(kk[None, :] == j, table, 0), 1)                       # [T]
+        has = has | (column[:, None] == ids[None, :])
+    return (tl.sum(tl.where(tt[:, None] < t, has, False).to(tl.int32), 0),
+            tl.sum(tl.where(tt[:, None] > t, has, False).to(tl.int32), 0))
+
+
+@triton.jit
+def e4m3_codes(v):
+    """fp32 -> float8_e4m3fn bits (uint8) as `f32_to_e4m3`: the hardware conversion on the
+    GPU (saturating too; it also keeps NaN a NaN), the integer form in the interpreter."""
+    if _ON_GPU:
+        return v.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+    else:
+        return f32_to_e4m3(v).to(tl.uint8)
+
+
+@triton.jit
+def divide_rn(a, b, inverse):
+    """`a / b` rounded to nearest even, given `inverse` = 1 / b rounded so (b finite and
+    nonzero, no overflow on the way). On the GPU: q = a * inverse is within one ulp of a / b,
+    its residual a - b q is exact in one fma, and one more fma rounds q + residual * inverse
+    correctly (Markstein's theorem): three operations instead of an IEEE division's dozen. A
+    zero residual keeps q, and with it the sign of a zero. The interpreter divides."""
+    if _ON_GPU:
+        q = a * inverse
+        residual = tl.fma(-q, b, a)
+        return tl.where(residual == 0, q, tl.fma(residual, inverse, q))
+    else:
+        return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def fp8_scale(amax, ROUND_SCALE: tl.constexpr):
+    """The scale of a block of 128 channels whose largest |x| is `amax` (fp32, any shape):
+    `max(amax, 1e-4) / 448` (an IEEE division: `/` is approximate for fp32 on the GPU), or with
+    ROUND_SCALE the least power of two at or above it."""
+    scale = tl.math.div_rn(tl.maximum(amax, 1e-4), amax * 0 + 448.0)
+    if ROUND_SCALE:
+        sbits = scale.to(tl.int32, bitcast=True)
+        exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
+        scale = (exponent << 23).to(tl.float32, bitcast=True)
+    return scale
 
 
 @triton.jit
 def _cast_fp8(bits, ROUND_SCALE: tl.constexpr, BLOCK_C: tl.constexpr):
     """A part of a row (`bits` [BLOCK_C] bf16 bits) in FP8: (e4m3 codes [BLOCK_C] uint8, one
-    float32 scale per 128 channels, `amax / 448` (a power of two above it with ROUND_SCALE)).
-    IEEE divisions (`/` is approximate for fp32 on the GPU), operands of one shape."""
-    values = tl.reshape(bf16_to_f32(bits), (BLOCK_C // 128, 128))
-    amax = tl.maximum(tl.max(tl.abs(values), 1), 1e-4)
-    scale = tl.math.div_rn(amax, tl.full((BLOCK_C // 128,), 448.0, tl.float32))
-    if ROUND_SCALE:
-        sbits = scale.to(tl.int32, bitcast=True)
-        exponent = (sbits >> 23) + ((sbits & 0x7FFFFF) != 0).to(tl.int32)
-        scale = (exponent << 23).to(tl.float32, bitcast=True)
-    scaled = tl.math.div_rn(values, tl.broadcast_to(scale[:, None], (BLOCK_C // 128, 128)))
-    return tl.reshape(f32_to_e4m3(scaled), (BLOCK_C,)).to(tl.uint8), scale
+    float32 scale per 128 channels, `fp8_scale`); each value divided by its scale as torch
+    does (`divide_rn`, with one IEEE division per scale for its reciprocal)."""
+    G: tl.constexpr = BLOCK_C // 128
+    values = tl.reshape(bf16_to_f32(bits), (G, 128))
+    scale = fp8_scale(tl.max(tl.abs(values), 1), ROUND_SCALE)
+    inverse = tl.math.div_rn(scale * 0 + 1.0, scale)
+    scaled = divide_rn(values, tl.broadcast_to(scale[:, None], (G, 128)),
+                       tl.broadcast_to(inverse[:, None], (G, 128)))
+    return tl.reshape(e4m3_codes(scaled), (BLOCK_C,)), scale
 
 
 @triton.jit
@@ -349,7 +398,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
         # 3. Positions and counts need every token's slots: has[t', k] = token t' chose slot
         # k's expert. Records go to every live rank (all -1 where the token goes elsewhere),
         # one [R, K] store each.
-        position, later = _positions(table, ids, tt, t)
+        position, later = _positions(table, ids, tt, t, kk, BLOCK_K)
         record = (bases + records_off + slot_bytes * 8 * num_topk).to(
             tl.pointer_type(tl.int32))[:, None] + kk[None, :]
         to_live = flag_mask(live, mine.to(tl.int32))[:, None] & kmask[None, :]
@@ -493,7 +542,7 @@ def ll_dispatch_local(bases_ptr, x_ptr, idx_ptr, num_tokens, num_experts, num_lo
     pid = tl.program_id(0)
     # phase-mark: ll-local-start
     # Every load first, none depending on another: the row part (none for a counting program,
-    # whose t is past the tokens), the heap base, the routing table.
+    # whose t is past the tokens), the heap base, the mask, the routing table.
     t = pid // num_parts
     part = pid % num_parts
     mine = t < num_tokens
@@ -501,18 +550,19 @@ def ll_dispatch_local(bases_ptr, x_ptr, idx_ptr, num_tokens, num_experts, num_lo
     bits = tl.load(x_ptr + t.to(tl.int64) * hidden + cc,
                    mask=flag_mask(cc < hidden, mine.to(tl.int32)), other=0)
     bases = tl.load(bases_ptr)
+    masked = tl.load(mask_ptr)  # (one rank: it owns every expert, so one flag masks them all)
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < num_topk
     tt = tl.arange(0, BLOCK_T)
     table = tl.load(idx_ptr + tt[:, None].to(tl.int64) * num_topk + kk[None, :],
                     mask=(tt < num_tokens)[:, None] & kmask[None, :], other=-1).to(tl.int32)
-    table = _live_ids(table, num_experts, num_local, mask_ptr)
+    table = tl.where((table >= 0) & (table < num_experts) & (masked == 0), table, -1)
     # phase-mark: ll-local-table
     if pid < max_tokens * num_parts:
         # the token's ids: its row of the table (all -1 past the tokens)
         ids = tl.sum(tl.where((tt == t)[:, None], table, 0), 0)
         take = (ids >= 0) & (_first_slots(ids, kk, BLOCK_K) == kk)
-        position, _ = _positions(table, ids, tt, t)
+        position, _ = _positions(table, ids, tt, t, kk, BLOCK_K)
         # (one rank: the local expert is the id)
         out_row = tl.where(take, ids.to(tl.int64) * max_tokens + position, 0)
         if part == 0:
