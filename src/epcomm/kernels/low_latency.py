@@ -261,10 +261,12 @@ def e4m3_codes(v):
 @triton.jit
 def divide_rn(a, b, inverse):
     """`a / b` rounded to nearest even, given `inverse` = 1 / b rounded so (b finite and
-    nonzero, no overflow on the way). On the GPU: q = a * inverse is within one ulp of a / b,
-    its residual a - b q is exact in one fma, and one more fma rounds q + residual * inverse
-    correctly (Markstein's theorem): three operations instead of an IEEE division's dozen. A
-    zero residual keeps q, and with it the sign of a zero. The interpreter divides."""
+    nonzero; the quotient and the residual below neither overflow nor leave the normal range,
+    or the quotient is too small to matter: the FP8 cast's below 2^-10 become +-0 either way).
+    On the GPU: q = a * inverse is within one ulp of a / b, its residual a - b q is exact in
+    one fma, and one more fma rounds q + residual * inverse correctly (Markstein's theorem):
+    three operations instead of an IEEE division's dozen. A zero residual keeps q, and with it
+    the sign of a zero. The interpreter divides."""
     if _ON_GPU:
         q = a * inverse
         residual = tl.fma(-q, b, a)
