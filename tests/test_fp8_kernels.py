@@ -1,7 +1,7 @@
 """The FP8 arithmetic of the low-latency kernels (`epcomm.kernels.low_latency`), against torch.
 
 On the GPU the kernels take two shortcuts to torch's exact results: the hardware e4m3
-conversion and a division by a block's scale in three multiply-adds (`divide_rn`). Both are
+conversion and a division by a block's scale in a multiply and two fmas (`divide_rn`). Both are
 checked here on every (value, scale) pair the FP8 cast can meet; without CUDA the interpreter's
 exact forms run and are checked against torch on the same values.
 """

@@ -120,8 +120,8 @@ class LowLatencyLayout:
 # ------------------------------------------------------------------------------- helpers
 # The GPU takes shortcuts to the interpreter's exact results: the FP8 conversion is one
 # hardware instruction (`cvt.rn.satfinite`; the interpreter's own conversion rounds otherwise),
-# and a division by a row's scale three multiply-adds (older interpreters round an fma twice).
-# A GPU test checks both on every (value, scale) the FP8 cast can meet.
+# and a division by a block's scale a multiply and two fmas (older interpreters round an fma
+# twice). A GPU test checks both on every (value, scale) the FP8 cast can meet.
 _ON_GPU = tl.constexpr(not INTERPRET)
 
 
