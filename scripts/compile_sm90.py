@@ -98,7 +98,7 @@ def _constants(fn, shape) -> tuple[dict, int]:
     if fn is combine.combine_kernel:
         return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
             TILE["combine_warps"]
-    extra = dict(BLOCK_M=16, BLOCK_E=dispatch._BLOCK_E, BLOCK_T=dispatch._BLOCK_T,
+    extra = dict(BLOCK_M=16, BLOCK_E=dispatch._BLOCK_E, BLOCK_T=dispatch._BLOCK_T, BLOCK_O=1,
                  GROUP=dispatch.rank_group(TILE["rows"]))
     return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
         TILE["num_warps"]

@@ -1,6 +1,7 @@
 """Check and benchmark the symmetric backend on the GPU machine.
 
     PYTHONPATH=src python3 scripts/gpu_symmetric.py [--ranks 2 4 8] [--tokens 4096] [--no-bench]
+                                                    [--shared N]
 
 1. For each rank count: that many processes share the GPU(s) (gloo bootstrap, CUDA IPC heap).
    Both layouts, bf16 and FP8, hidden 7168, top-8, 256 experts, up to `--tokens` tokens per
@@ -10,6 +11,8 @@
 2. Benchmark at EP=1: dispatch / combine of 4096 x 7168 bf16, top-8, against a torch copy of the
    same rows measured in the same run: back-to-back call time, the kernels' own time (torch
    profiler), host time per call, kernel launches per call.
+3. `--shared N`: N processes sharing the GPU each replay their CUDA graph of sync-free dispatch
+   + combine back to back, all at once; us per replay against N x the EP=1 replay.
 """
 from __future__ import annotations
 
@@ -248,15 +251,17 @@ def bench(tokens, hidden, topk, experts, num_sms=None):
     # A device-to-device memcpy, GPU-bound back to back (a 5 us launch for a 30 us copy).
     t_copy = _cuda_time(copy, 20)[0]
     rows.append(("torch copy of x (roofline)", t_copy, t_copy, nbytes, 1.0, 1, 0.0))
-    # Bytes each path must move, in units of x's bytes, read + written (docs/perf-notes.md):
-    # compact: read x, write staging, read staging, write the output (4); expand: the staging
-    # copy and read (3) plus one output row per (token, expert) pair (dispatch), or one read
-    # per pair plus staging write, read and the output (combine).
+    # Bytes each path must move at EP=1, in units of x's bytes, read + written
+    # (docs/perf-notes.md; a rank reads its own rows from the caller's tensors, not through
+    # staging): dispatch: read x, then write the output (compact, 2) or one output row per
+    # (token, expert) pair (expand, 1 + pairs); combine: read x and write the output (compact,
+    # 2), or one read per pair plus staging write, read and the output (expand, 3 + pairs).
     pairs = int((idx >= 0).sum()) / tokens
     for expand in (False, True):
         opts = dict(do_expand=expand, do_cpu_sync=False)
         state = {}
-        moved = 3 + pairs if expand else 4
+        moved = {(False, "dispatch"): 2, (True, "dispatch"): 1 + pairs, (False, "combine"): 2,
+                 (True, "combine"): 3 + pairs}
 
         def dispatch():
             state["out"] = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
@@ -273,7 +278,8 @@ def bench(tokens, hidden, topk, experts, num_sms=None):
                          (f"dispatch {name} (do_cpu_sync)", dispatch_sync)):
             t_call, host = _cuda_time(fn, 20)
             launches, t_kernel = _kernels(fn)
-            rows.append((what, t_call, t_kernel, nbytes, moved / 2 * t_copy / t_kernel, launches,
+            units = moved[expand, what.split()[0]]
+            rows.append((what, t_call, t_kernel, nbytes, units / 2 * t_copy / t_kernel, launches,
                          host))
     for expand in (False, True):
         graph = torch.cuda.CUDAGraph()
@@ -285,10 +291,47 @@ def bench(tokens, hidden, topk, experts, num_sms=None):
         # Replays back to back are GPU-bound (about 11 us of host time each): their time is the
         # kernels' time.
         t_g, host_g = _cuda_time(graph.replay, 20)
-        moved = 2 * (3 + pairs) if expand else 8
+        units = moved[expand, "dispatch"] + moved[expand, "combine"]
         rows.append((f"graph replay dispatch+combine {'expand' if expand else 'compact'}", t_g,
-                     t_g, nbytes, moved / 2 * t_copy / t_g, 1, host_g))
+                     t_g, nbytes, units / 2 * t_copy / t_g, 1, host_g))
     return rows, buffer.num_sms
+
+
+def bench_shared(tokens, hidden, topk, experts, iters=50):
+    """Every process of the group replays its CUDA graph of sync-free dispatch + combine
+    (compact, then expand) back to back, all at once on the GPU they share: {layout: the
+    median over the processes of the mean us per replay}."""
+    from epcomm import Buffer
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+    x, idx, w = _data(dist.get_rank(), tokens, hidden, topk, experts, False, 7, device)
+    figures = {}
+    for expand in (False, True):
+        opts = dict(do_expand=expand, do_cpu_sync=False)
+        out = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
+        buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        dist.barrier()
+        with torch.cuda.graph(graph):
+            out = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
+            buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        mine = start.elapsed_time(end) * 1e3 / iters
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        figures["expand" if expand else "compact"] = sorted(every)[len(every) // 2]
+        del graph, out
+    return figures
 
 
 def main():
@@ -301,6 +344,9 @@ def main():
     parser.add_argument("--no-bench", action="store_true")
     parser.add_argument("--num-sms", type=int, default=None, help="programs (default: the backend's)")
     parser.add_argument("--profile", action="store_true", help="profiler tables of EP=1 calls")
+    parser.add_argument("--shared", type=int, default=None, metavar="N",
+                        help="then time N processes sharing the GPU, each replaying its graph of "
+                             "dispatch + combine, against N x the EP=1 replay")
     args = parser.parse_args()
     shape = (args.tokens, args.hidden, args.topk, args.experts)
     for ranks in args.ranks:
@@ -328,6 +374,15 @@ def main():
         print(f"| {name:40} | {t_call * 1e6:8.1f} | {t_kernel * 1e6:9.1f} | "
               f"{nbytes / t_kernel / 1e9:14.1f} | {ratio:15.0%} | {launches:8d} | "
               f"{host * 1e6:8.1f} |")
+    if args.shared:
+        shared = run_local_ranks(bench_shared, args.shared, *shape, timeout_s=600)[0]
+        print(f"\n{args.shared} processes sharing the GPU, graph replay of dispatch + combine, "
+              f"us per replay (median over the processes) against {args.shared} x EP=1:")
+        print("| layout | shared | EP=1 | ratio to the bound |\n|---|---:|---:|---:|")
+        for layout, us in shared.items():
+            single = next(r[1] for r in rows if r[0] == f"graph replay dispatch+combine {layout}") \
+                * 1e6
+            print(f"| {layout} | {us:.1f} | {single:.1f} | {us / (args.shared * single):.2f} |")
 
 
 if __name__ == "__main__":

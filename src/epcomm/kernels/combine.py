@@ -11,7 +11,9 @@ Send part (P programs over the compact rows' work items, `_work_items`):
 1. wait until every source has reduced what this rank returned the call before (free);
 2. for compact row n, received from rank s as its p-th token: record `rank * S + p` of s's
    region gets the row `x[n]` (compact) or the fp32 sum, rounded once to bf16, of the rows
-   `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights;
+   `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights; in the
+   compact layout the rows this rank received from itself stay in x and the weights (the
+   reduce part reads them there);
 3. program 0 stores this call's stamp into every source's stamp slot; add 1 to every source's
    ready counter (release).
 
@@ -151,6 +153,9 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             weights = tl.load(weights_ptr + tl.maximum(targets, 0),
                               mask=flag_mask(hmask & (targets >= 0), has_w), other=0)
         else:
+            # This rank's own rows stay in x, where its reduce part reads them.
+            nmask = nmask & (source != rank)
+            hmask = nmask[:, None] & kmask[None, :]
             copy_row_span(x_ptr + tl.multiple_of(n64 * hidden, VEC), half_ptrs(rec, VEC),
                           nmask, h0, h1, hidden, VEC, BLOCK_H)
             weights = tl.load(weights_ptr + n64[:, None] * K + kk[None, :],
@@ -166,14 +171,26 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 
 
 @triton.jit
+def _own_rows(slots, rank, stride_tokens, rank_psum_ptr, expand):
+    """Where the compact layout keeps a record that this rank returns to itself: (slots that
+    are such records, their rows of the combine's x). Elsewhere: records of the region."""
+    own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
+    mine = (slots >= rank * stride_tokens) & (slots < (rank + 1) * stride_tokens) \
+        & (slots * 0 + expand == 0)
+    return mine, (own_first + slots - rank * stride_tokens).to(tl.int64)
+
+
+@triton.jit
 def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
-                 num_biases, out_ptr, w_out, has_w, hidden, error_ptr, timeout, signature,
-                 K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                 ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+                 num_biases, out_ptr, w_out, has_w, hidden, rank_psum_ptr, x_ptr, expand,
+                 weights_ptr, error_ptr, timeout, signature, K: tl.constexpr,
+                 BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """The reduce part (module docstring) of call number `call`: the one this program's send
     part computed. (Reading the call counter here instead would race with programs of this
-    launch that have not added to it yet.)"""
+    launch that have not added to it yet.) In the compact layout the records this rank
+    returns to itself are read from x and weights_ptr, which its send part left them in."""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -219,7 +236,10 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             for n in range(0, most):
                 pick = last & (order == n)
                 slot = sum_along(tl.where(pick, slots, 0), 1)
-                rec = half_ptrs(base + slot.to(tl.int64) * record_words * 4, VEC)
+                mine, row = _own_rows(slot, rank, stride_tokens, rank_psum_ptr, expand)
+                rec = half_ptrs(tl.where(
+                    mine, (x_ptr + tl.multiple_of(row * hidden, VEC)).to(tl.int64),
+                    base + slot.to(tl.int64) * record_words * 4), VEC)
                 # Tokens without an n-th slot read +0.0, which leaves their sums unchanged.
                 value = tl.load(rec[:, None] + offs[None, :],
                                 mask=(max_along(pick.to(tl.int32), 1) > 0)[:, None]
@@ -227,9 +247,11 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                 acc += bf16_to_f32(value)
             tl.store(out_ptr + rows, f32_to_bf16(acc), mask=mask)
         if has_w * (piece == 0) != 0:  # the weights go with the first piece of the tile
-            rec = i32_ptr(base + tl.maximum(slots, 0).to(tl.int64) * record_words * 4)
-            weights = tl.load(rec + weight_offset + kk[None, :], mask=hmask & (slots >= 0),
-                              other=0)
+            mine, row = _own_rows(slots, rank, stride_tokens, rank_psum_ptr, expand)
+            at = tl.where(mine, (weights_ptr + row * K + kk[None, :]).to(tl.int64),
+                          base + (tl.maximum(slots, 0).to(tl.int64) * record_words
+                                  + weight_offset + kk[None, :]) * 4)
+            weights = tl.load(i32_ptr(at), mask=hmask & (slots >= 0), other=0)
             # fp32 bits; a NaN becomes the canonical quiet NaN (docs/semantics.md, NaN).
             weights = tl.where((weights & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, weights)
             tl.store(w_out + t64[:, None] * K + kk[None, :], weights, mask=hmask)
@@ -252,8 +274,9 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
                         BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
     _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
-                 num_biases, out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature,
-                 K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
+                 num_biases, out_ptr, w_out, has_w_out, hidden, rank_psum_ptr, x_ptr, expand,
+                 weights_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_R, ROWS, VEC,
+                 BLOCK_H)
 
 
 
@@ -310,9 +333,9 @@ def combine(shape: KernelShape, stage: Stage, layout: CombineLayout, sync, rank_
 
     Example (one rank, H 2, K 2, compact): rank_psum = [1], metadata = [[0, 1, 0, 2]],
     x = bf16 [[5, 6]], weights = [[0.5, 0.25]], slots = [[0, 0], [-1, -1]],
-    biases = ([[1, 1], [2, 2]],): record 0 of the combine region = [5 6 | 0.5 0.25],
-    out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]]; the ready and free counters
-    += P.
+    biases = ([[1, 1], [2, 2]],): out = [[6, 7], [2, 2]], weights_out = [[0.5, 0.25], [0, 0]]
+    (the row a rank returns to itself is read from x and weights: its record 0 stays
+    unwritten); the ready and free counters += P.
     """
     (kernel or launcher(shape))(variant, stream, arguments(
         stage, layout, sync, rank_psum, metadata, x, weights, expand, slots, biases, out,

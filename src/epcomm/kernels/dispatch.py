@@ -17,7 +17,9 @@ Send part (P programs, the tokens split into P contiguous chunks):
 2. grid barrier, then each chunk's first position per rank is the sum of the earlier chunks'
    counts: positions follow token order, deterministic by construction;
 3. wait until every destination has released what this rank pushed the call before (free);
-4. write every record, loading each payload row once and storing it to each destination;
+4. write every record, loading each payload row once and storing it to each destination
+   (this rank's own records get their headers only: its receive part copies their payload
+   from the source rows);
 5. program 0 stores the counts, each with the call's stamp, into the destinations' count slots;
    every program adds 1 to each destination's ready counter (release), so a receiver waits for
    `call * P`.
@@ -151,21 +153,27 @@ def _record_rows(bases_ptr, peer, region_offset, slots, record_words):
 
 @triton.jit
 def _push_field(src, num_words, field_offset, bases_ptr, region_offset, first_slot,
-                record_words, pos_ptr, tt, tmask, num_ranks, VEC: tl.constexpr,
+                record_words, pos_ptr, tt, tmask, rank, num_ranks, VEC: tl.constexpr,
                 BLOCK_W: tl.constexpr):
-    """Each row src[i] (int32 pointers) once from memory, stored into the record of every rank
-    d with pos[tt[i], d] >= 0 (record first_slot + pos of d's region), at word field_offset."""
+    """Each row src[i] (int32 pointers) once from memory, stored into the record of every
+    other rank d with pos[tt[i], d] >= 0 (record first_slot + pos of d's region), at word
+    field_offset (this rank reads its own rows from the source rows: `_payload_rows`)."""
+    elsewhere = tmask & (tt < 0)  # the rows some other rank gets
+    for d in range(num_ranks):
+        pos = tl.load(pos_ptr + tt.to(tl.int64) * num_ranks + d, mask=tmask, other=-1)
+        elsewhere = elsewhere | ((pos >= 0) & (pos * 0 + d != rank))
     num_words = tl.multiple_of(num_words, VEC)
     for start in range(0, num_words, BLOCK_W):
         offs = start + tl.arange(0, BLOCK_W)
         wmask = columns(offs, num_words, VEC)
-        value = tl.load(src[:, None] + offs[None, :], mask=tmask[:, None] & wmask[None, :])
+        value = tl.load(src[:, None] + offs[None, :], mask=elsewhere[:, None] & wmask[None, :])
         for d in range(num_ranks):
             pos = tl.load(pos_ptr + tt.to(tl.int64) * num_ranks + d, mask=tmask, other=-1)
             rec = _record_rows(bases_ptr, d, region_offset, first_slot + pos, record_words)
             dst = word_ptrs(rec + field_offset * 4, VEC)
             tl.store(dst[:, None] + offs[None, :], value,
-                     mask=(tmask & (pos >= 0))[:, None] & wmask[None, :])
+                     mask=(tmask & (pos >= 0) & (pos * 0 + d != rank))[:, None]
+                     & wmask[None, :])
 
 
 @triton.jit
@@ -240,11 +248,11 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
             tl.store(rec[:, None] + 1 + kk[None, :], ids.to(tl.int32), mask=hmask)
             tl.store(rec[:, None] + 1 + K + kk[None, :], weights, mask=flag_mask(hmask, has_w))
         _push_field(word_ptrs(p0_ptr + tl.multiple_of(t64 * w0, VEC), VEC), w0, off0, bases_ptr,
-                    region_offset, first_slot, record_words, pos_scratch, tt, tmask, num_ranks,
-                    VEC, BLOCK_W)
+                    region_offset, first_slot, record_words, pos_scratch, tt, tmask, rank,
+                    num_ranks, VEC, BLOCK_W)
         _push_field(word_ptrs(p1_ptr + tl.multiple_of(t64 * w1, VEC), VEC), w1, off1, bases_ptr,
-                    region_offset, first_slot, record_words, pos_scratch, tt, tmask, num_ranks,
-                    VEC, BLOCK_W)
+                    region_offset, first_slot, record_words, pos_scratch, tt, tmask, rank,
+                    num_ranks, VEC, BLOCK_W)
 
     # phase-mark: send-records-pushed
     # 5. Counts with this call's stamp, then this program's share of every destination's ready
@@ -265,6 +273,15 @@ def _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words, ro
     first = sum_along(tl.where(rr[None, :] == source[:, None], (psum - counts)[None, :], 0), 1)
     slots = source * stride_tokens + rows - first
     return source, _record_rows(bases_ptr, rank, region_offset, slots, record_words)
+
+
+@triton.jit
+def _payload_rows(rec, field_offset, x_ptr, num_words, token, own, VEC: tl.constexpr):
+    """int32 pointers to the payload field at word `field_offset` of records `rec` (int64
+    addresses), but for the rows this rank sent itself (`own`): row `token` of the source rows
+    `x_ptr` (int32 words, `num_words` per row), which the send part does not push."""
+    here = (x_ptr + tl.multiple_of(token.to(tl.int64) * num_words, VEC)).to(tl.int64)
+    return word_ptrs(tl.where(own, here, rec + field_offset * 4), VEC)
 
 
 @triton.jit
@@ -335,10 +352,11 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                   record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
                   capacity, out_rows, expand, zero_padding, tail,
                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
-                  expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, error_ptr, timeout,
-                  signature, K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_T: tl.constexpr,
-                  GROUP: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
+                  expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, x0_ptr, x1_ptr,
+                  error_ptr, timeout, signature, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
+                  BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
+                  ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
                   BLOCK_P: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -396,17 +414,19 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
                                    rows, psum, counts, rr)
         # The header loads are issued first and used after the payload copy, which hides
-        # their latency (using them first made every tile wait: 1.7 us of 90.5 on the H200).
+        # their latency (using them first made every tile wait: 1.7 us of 90.5 on the H200);
+        # the token first: this rank's own rows are copied from it.
+        token = tl.load(i32_ptr(rec), mask=nmask)
         keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
         hmask = nmask[:, None] & kmask[None, :]
-        token = tl.load(i32_ptr(rec), mask=nmask)
         weights = tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
                           mask=flag_mask(hmask, has_w * (1 - expand)))
         if expand == 0:
-            copy_rows(word_ptrs(rec + off0 * 4, VEC),
+            own = source == rank
+            copy_rows(_payload_rows(rec, off0, x0_ptr, w0, token, own, VEC),
                       word_ptrs(p0_out + tl.multiple_of(n64 * w0, VEC), VEC), nmask, w0, VEC,
                       BLOCK_W)
-            copy_rows(word_ptrs(rec + off1 * 4, VEC),
+            copy_rows(_payload_rows(rec, off1, x1_ptr, w1, token, own, VEC),
                       word_ptrs(p1_out + tl.multiple_of(n64 * w1, VEC), VEC), nmask, w1, VEC,
                       BLOCK_W)
         row_group = first_group + (rows - begin) // GROUP
@@ -433,18 +453,26 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
     # phase-mark: receive-grid-barrier
     # 3. Each program owns a contiguous share of the experts: for each, the group counts
     # become exclusive prefixes over the groups (in place) and the total goes to the
-    # per-expert counts.
+    # per-expert counts. BLOCK_O experts at a time, their columns side by side in one
+    # [BLOCK_O * BLOCK_T] block: one scan over the block, less each expert's start in it.
     own_begin, own_end = program_chunk(num_local)
-    tt = tl.arange(0, BLOCK_T)
-    for e in range(own_begin, own_end):
-        column = group_counts + e * num_groups
-        carry = tl.full([], 0, tl.int32)
+    SCAN: tl.constexpr = BLOCK_O * BLOCK_T
+    oo = tl.arange(0, BLOCK_O)
+    flat = tl.arange(0, SCAN)
+    for e0 in range(own_begin, own_end, BLOCK_O):
+        columns_at = group_counts + (e0 + flat // BLOCK_T) * num_groups
+        carry = tl.full([BLOCK_O], 0, tl.int32)
         for t0 in range(0, num_groups, BLOCK_T):
-            tmask = t0 + tt < num_groups
-            per_group = tl.load(column + t0 + tt, mask=tmask, other=0, cache_modifier=".cg")
-            tl.store(column + t0 + tt, carry + running_total(per_group) - per_group, mask=tmask)
-            carry += total(per_group)
-        tl.store(expert_count_out + e, carry)
+            at_group = t0 + flat % BLOCK_T
+            fmask = (e0 + flat // BLOCK_T < own_end) & (at_group < num_groups)
+            per_group = tl.load(columns_at + at_group, mask=fmask, other=0, cache_modifier=".cg")
+            per_expert = sum_along(tl.reshape(per_group, [BLOCK_O, BLOCK_T]), 1)
+            start = running_total(per_expert) - per_expert - carry  # in the scan, less carry
+            tl.store(columns_at + at_group, running_total(per_group) - per_group - tl.reshape(
+                tl.broadcast_to(start[:, None], [BLOCK_O, BLOCK_T]), [SCAN]),
+                mask=fmask)
+            carry += per_expert
+        tl.store(expert_count_out + e0 + oo, carry, mask=e0 + oo < own_end)
     # phase-mark: receive-expert-totals
     grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
     # phase-mark: receive-grid-barrier-2
@@ -512,10 +540,12 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
             tl.store(w_out + targets, tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
                                               mask=hmask),
                      mask=flag_mask(hmask & (targets >= 0), has_w))
-            _expand_field(word_ptrs(rec + off0 * 4, VEC), w0, p0_out, meta, nmask, K, VEC,
-                          BLOCK_W)
-            _expand_field(word_ptrs(rec + off1 * 4, VEC), w1, p1_out, meta, nmask, K, VEC,
-                          BLOCK_W)
+            token = tl.load(i32_ptr(rec), mask=nmask)
+            own = source == rank
+            _expand_field(_payload_rows(rec, off0, x0_ptr, w0, token, own, VEC), w0, p0_out,
+                          meta, nmask, K, VEC, BLOCK_W)
+            _expand_field(_payload_rows(rec, off1, x1_ptr, w1, token, own, VEC), w1, p1_out,
+                          meta, nmask, K, VEC, BLOCK_W)
     if tail != 0:  # capacity-sized outputs: everything past the valid prefix
         share = (out_rows - num_rows + num_programs - 1) // num_programs
         tail_begin = num_rows + pid * share
@@ -551,7 +581,8 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     meta_out, rank_psum_out, expert_count_out, expert_psum_out, q0_out, v0, o0,
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                    BLOCK_T: tl.constexpr, GROUP: tl.constexpr, ROWS: tl.constexpr,
+                    BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
+                    ROWS: tl.constexpr,
                     VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
@@ -570,9 +601,9 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
                       capacity, out_rows, expand, zero_padding, tail,
                       idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
-                      expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, error_ptr, timeout,
-                      signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E, BLOCK_T, GROUP, ROWS, VEC,
-                      BLOCK_W, BLOCK_P)
+                      expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr, p1_ptr,
+                      error_ptr, timeout, signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E,
+                      BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, BLOCK_P)
 
 
 def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
@@ -588,10 +619,11 @@ def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
 def launcher(shape: KernelShape, layout: RecordLayout, max_rows: int) -> Launcher:
     """The `Launcher` of `dispatch_kernel` for records of `layout`, receiving up to `max_rows`
     rows (R * S): an expert's prefix over the groups takes one step when they fit `_BLOCK_T`,
-    in a block no wider than the groups there can be."""
-    groups = num_groups(shape.programs, shape.rows, max_rows)
+    in a block no wider than the groups there can be, with as many experts side by side as
+    fill `_BLOCK_T`."""
+    block_t = min(_BLOCK_T, next_power_of_2(num_groups(shape.programs, shape.rows, max_rows)))
     return shape.launcher(dispatch_kernel, BLOCK_M=next_power_of_2(layout.num_topk + 2),
-                          BLOCK_E=_BLOCK_E, BLOCK_T=min(_BLOCK_T, next_power_of_2(groups)),
+                          BLOCK_E=_BLOCK_E, BLOCK_T=block_t, BLOCK_O=_BLOCK_T // block_t,
                           GROUP=rank_group(shape.rows))
 
 
@@ -608,8 +640,9 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
 
     Example (one rank, E 4, S 4, K 2, x = bf16 [[1, 2], [3, 4]] (one word per row; records of
     12 words: header 5, payload at word 8), topk_idx = [[0, 3], [-1, -1]], no weights): record
-    0 of the heap = [0 | 0 3 | . . | . . . | x[0]], slot_out = [[0, 0], [-1, -1]], the ready
-    counter += P, count slot = 1.
+    0 of the heap = [0 | 0 3 | . . | . . . | .] (the payload of a rank's own rows stays in x,
+    where its receive part reads it), slot_out = [[0, 0], [-1, -1]], the ready counter += P,
+    count slot = 1.
     """
     has_w = weights is not None
     return dict(counts_scratch=counts_scratch, pos_scratch=pos_scratch, idx_ptr=topk_idx,
@@ -625,9 +658,10 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
 # this many groups per step of an expert's prefix over the groups (DeepSeek-V3 at EP=1: 132
 # programs x 63 groups of 4 rows, 5 steps; 8192 in 2 steps measured 94.5 us instead of 88.8 for
 # the compact dispatch on the H200: 255 registers; a buffer with fewer groups scans a block
-# of just its groups: each program scans E_l / P experts one after another, and at 128 tokens
-# a 2048-wide scan per expert took 33 of the kernel's 58 us). Small under the interpreter,
-# whose scans cost about 80 us per element.
+# of just its groups, and as many of its E_l / P experts side by side as fill _BLOCK_T: at 128
+# tokens a 2048-wide scan per expert took 33 of the kernel's 58 us, and 8 experts scanned one
+# after another 3.3 us of 21). Small under the interpreter, whose scans cost about 80 us per
+# element.
 _BLOCK_E = 16 if INTERPRET else 256
 _BLOCK_T = 16 if INTERPRET else 2048
 # Rows per rank group: the group's K * rows pairs are compared all with all, so the cost per
