@@ -11,9 +11,9 @@ Send part (P programs over the compact rows' work items, `_work_items`):
 1. wait until every source has reduced what this rank returned the call before (free);
 2. for compact row n, received from rank s as its p-th token: record `rank * S + p` of s's
    region gets the row `x[n]` (compact) or the fp32 sum, rounded once to bf16, of the rows
-   `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights; the
-   rows this rank received from itself are not returned: its reduce part reads them (and
-   sums an expand row's expert rows) where they are;
+   `x[metadata[n, 2 + j]]` over the slots j that have one (expand), then the weights; in the
+   compact layout the rows this rank received from itself stay in x and the weights (the
+   reduce part reads them there);
 3. program 0 stores this call's stamp into every source's stamp slot; add 1 to every source's
    ready counter (release).
 
@@ -95,30 +95,6 @@ def half_ptrs(addr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _expert_sum(meta, rows_mask, x_ptr, hidden, offs, wmask, K: tl.constexpr,
-                ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr,
-                UNROLL: tl.constexpr):
-    """fp32 [ROWS, BLOCK_H]: for each row i where `rows_mask`, the expert rows
-    `x[meta[i][j]]` (values `offs`) summed over the slots j in order, starting from +0.0; a
-    slot without a row (-1) reads +0.0, which never changes such a sum (so the order of
-    docs/semantics.md is kept bit for bit). UNROLL loads in flight: at the 16 x 1024 tile the
-    kernel must stay within the 128 registers 16 warps allow (the send part: 2, all K
-    unrolled spilled 64 bytes; the reduce, which holds its own sum beside: 1, 2 spilled 16
-    bytes; Triton 3.9)."""
-    acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
-    for j0 in range(0, K, UNROLL):
-        for jj in tl.static_range(UNROLL):
-            j = j0 + jj
-            valid = rows_mask & (tl.full([ROWS], j, tl.int32) < K)  # (K may be odd)
-            src = tl.load(meta + j, mask=valid, other=-1).to(tl.int64)
-            row = x_ptr + tl.multiple_of(tl.maximum(src, 0) * hidden, VEC)
-            value = tl.load(row[:, None] + offs[None, :],
-                            mask=(src >= 0)[:, None] & wmask[None, :], other=0)
-            acc += bf16_to_f32(value)
-    return acc
-
-
-@triton.jit
 def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
                  weights_ptr, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
@@ -150,23 +126,36 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
         rec = tl.load(bases_ptr + source, mask=nmask, other=0) + region_offset \
             + slot.to(tl.int64) * record_words * 4
         meta = meta_ptr + n64 * (K + 2) + 2
-        # The rows this rank received from itself stay in x: its reduce part reads them there.
-        nmask = nmask & (source != rank)
         hmask = nmask[:, None] & kmask[None, :]
         if expand != 0:
-            # The row's expert rows summed in slot order in fp32, one bf16 rounding.
+            # The row's expert rows summed in slot order in fp32, one bf16 rounding. A slot
+            # without a row reads +0.0, which never changes an accumulator that started at
+            # +0.0 (so the order of docs/semantics.md is kept bit for bit); unrolled by two:
+            # two loads in flight, and at the 16 x 1024 tile this kernel stays within the 128
+            # registers 16 warps allow (all K unrolled: 64 bytes of spills, Triton 3.9).
             targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1)
             for start in range(h0, h1, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
                 wmask = columns(offs, hidden, VEC)
-                acc = _expert_sum(meta, nmask, x_ptr, hidden, offs, wmask, K, ROWS, VEC, BLOCK_H,
-                                  2)
+                acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
+                for j0 in range(0, K, 2):
+                    for jj in tl.static_range(2):
+                        j = j0 + jj
+                        valid = nmask & (tl.full([ROWS], j, tl.int32) < K)  # (K may be odd)
+                        src = tl.load(meta + j, mask=valid, other=-1).to(tl.int64)
+                        row = x_ptr + tl.multiple_of(tl.maximum(src, 0) * hidden, VEC)
+                        value = tl.load(row[:, None] + offs[None, :],
+                                        mask=(src >= 0)[:, None] & wmask[None, :], other=0)
+                        acc += bf16_to_f32(value)
                 dst = half_ptrs(rec, VEC)
                 tl.store(dst[:, None] + offs[None, :], f32_to_bf16(acc),
                          mask=nmask[:, None] & wmask[None, :])
             weights = tl.load(weights_ptr + tl.maximum(targets, 0),
                               mask=flag_mask(hmask & (targets >= 0), has_w), other=0)
         else:
+            # This rank's own rows stay in x, where its reduce part reads them.
+            nmask = nmask & (source != rank)
+            hmask = nmask[:, None] & kmask[None, :]
             copy_row_span(x_ptr + tl.multiple_of(n64 * hidden, VEC), half_ptrs(rec, VEC),
                           nmask, h0, h1, hidden, VEC, BLOCK_H)
             weights = tl.load(weights_ptr + n64[:, None] * K + kk[None, :],
@@ -182,26 +171,26 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 
 
 @triton.jit
-def _own_rows(slots, rank, stride_tokens, rank_psum_ptr):
-    """(which `slots` name records this rank returns to itself, their compact rows on the
-    expert side): those records are never written, the reduce part reads their rows (compact:
-    x[row]; expand: the expert rows `x[metadata[row, 2 + j]]`) and weights where they are."""
+def _own_rows(slots, rank, stride_tokens, rank_psum_ptr, expand):
+    """Where the compact layout keeps a record that this rank returns to itself: (slots that
+    are such records, their rows of the combine's x). Elsewhere: records of the region."""
     own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
-    mine = (slots >= rank * stride_tokens) & (slots < (rank + 1) * stride_tokens)
+    mine = (slots >= rank * stride_tokens) & (slots < (rank + 1) * stride_tokens) \
+        & (slots * 0 + expand == 0)
     return mine, (own_first + slots - rank * stride_tokens).to(tl.int64)
 
 
 @triton.jit
 def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
-                 num_biases, out_ptr, w_out, has_w, hidden, rank_psum_ptr, meta_ptr, x_ptr,
-                 expand, weights_ptr, error_ptr, timeout, signature, K: tl.constexpr,
+                 num_biases, out_ptr, w_out, has_w, hidden, rank_psum_ptr, x_ptr, expand,
+                 weights_ptr, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
                  VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """The reduce part (module docstring) of call number `call`: the one this program's send
     part computed. (Reading the call counter here instead would race with programs of this
-    launch that have not added to it yet.) The records this rank returns to itself are read
-    where its send part left them (`_own_rows`)."""
+    launch that have not added to it yet.) In the compact layout the records this rank
+    returns to itself are read from x and weights_ptr, which its send part left them in."""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -247,38 +236,22 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             for n in range(0, most):
                 pick = last & (order == n)
                 slot = sum_along(tl.where(pick, slots, 0), 1)
-                mine, row = _own_rows(slot, rank, stride_tokens, rank_psum_ptr)
+                mine, row = _own_rows(slot, rank, stride_tokens, rank_psum_ptr, expand)
+                rec = half_ptrs(tl.where(
+                    mine, (x_ptr + tl.multiple_of(row * hidden, VEC)).to(tl.int64),
+                    base + slot.to(tl.int64) * record_words * 4), VEC)
                 # Tokens without an n-th slot read +0.0, which leaves their sums unchanged.
-                has = max_along(pick.to(tl.int32), 1) > 0
-                if expand != 0:
-                    rec = half_ptrs(base + slot.to(tl.int64) * record_words * 4, VEC)
-                    value = tl.load(rec[:, None] + offs[None, :],
-                                    mask=(has & ~mine)[:, None] & wmask[None, :], other=0)
-                    own = _expert_sum(meta_ptr + row * (K + 2) + 2, has & mine, x_ptr, hidden,
-                                      offs, wmask, K, ROWS, VEC, BLOCK_H, 1)
-                    value = tl.where(mine[:, None], f32_to_bf16(own), value)
-                else:
-                    rec = half_ptrs(tl.where(
-                        mine, (x_ptr + tl.multiple_of(row * hidden, VEC)).to(tl.int64),
-                        base + slot.to(tl.int64) * record_words * 4), VEC)
-                    value = tl.load(rec[:, None] + offs[None, :],
-                                    mask=has[:, None] & wmask[None, :], other=0)
+                value = tl.load(rec[:, None] + offs[None, :],
+                                mask=(max_along(pick.to(tl.int32), 1) > 0)[:, None]
+                                & wmask[None, :], other=0)
                 acc += bf16_to_f32(value)
             tl.store(out_ptr + rows, f32_to_bf16(acc), mask=mask)
         if has_w * (piece == 0) != 0:  # the weights go with the first piece of the tile
-            # Own records: weight j of compact row `row` (compact), or of its expand row
-            # metadata[row, 2 + j] (expand; 0 without one).
-            mine, row = _own_rows(slots, rank, stride_tokens, rank_psum_ptr)
-            live = hmask & (slots >= 0)
-            expanded = slots * 0 + expand != 0
-            target = tl.load(meta_ptr + row * (K + 2) + 2 + kk[None, :],
-                             mask=live & mine & expanded, other=-1)
-            own_at = tl.where(expanded, weights_ptr + tl.maximum(target, 0),
-                              weights_ptr + row * K + kk[None, :]).to(tl.int64)
-            at = tl.where(mine, own_at, base + (tl.maximum(slots, 0).to(tl.int64) * record_words
-                                                + weight_offset + kk[None, :]) * 4)
-            weights = tl.load(i32_ptr(at), mask=live & ~(mine & expanded & (target < 0)),
-                              other=0)
+            mine, row = _own_rows(slots, rank, stride_tokens, rank_psum_ptr, expand)
+            at = tl.where(mine, (weights_ptr + row * K + kk[None, :]).to(tl.int64),
+                          base + (tl.maximum(slots, 0).to(tl.int64) * record_words
+                                  + weight_offset + kk[None, :]) * 4)
+            weights = tl.load(i32_ptr(at), mask=hmask & (slots >= 0), other=0)
             # fp32 bits; a NaN becomes the canonical quiet NaN (docs/semantics.md, NaN).
             weights = tl.where((weights & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, weights)
             tl.store(w_out + t64[:, None] * K + kk[None, :], weights, mask=hmask)
@@ -301,9 +274,9 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
                         BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
     _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
-                 num_biases, out_ptr, w_out, has_w_out, hidden, rank_psum_ptr, meta_ptr, x_ptr,
-                 expand, weights_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_R, ROWS,
-                 VEC, BLOCK_H)
+                 num_biases, out_ptr, w_out, has_w_out, hidden, rank_psum_ptr, x_ptr, expand,
+                 weights_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_R, ROWS, VEC,
+                 BLOCK_H)
 
 
 
