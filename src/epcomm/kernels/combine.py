@@ -171,10 +171,10 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
 
 
 @triton.jit
-def _own_rows(slots, rank, stride_tokens, rank_psum_ptr, expand):
+def _own_rows(slots, rank, stride_tokens, own_first, expand):
     """Where the compact layout keeps a record that this rank returns to itself: (slots that
-    are such records, their rows of the combine's x). Elsewhere: records of the region."""
-    own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
+    are such records, their rows of the combine's x, whose block from this rank starts at row
+    `own_first`). Elsewhere: records of the region."""
     mine = (slots >= rank * stride_tokens) & (slots < (rank + 1) * stride_tokens) \
         & (slots * 0 + expand == 0)
     return mine, (own_first + slots - rank * stride_tokens).to(tl.int64)
@@ -206,6 +206,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                             rr, rmask, call, num_programs, signature, error_ptr) != 0
 
     base = tl.load(bases_ptr + rank) + region_offset
+    own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
     begin, end, pieces, per = _work_items(num_tokens, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
         tt, piece, h0, h1 = _work_item(w, pieces, per, hidden, ROWS, BLOCK_H)
@@ -236,7 +237,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             for n in range(0, most):
                 pick = last & (order == n)
                 slot = sum_along(tl.where(pick, slots, 0), 1)
-                mine, row = _own_rows(slot, rank, stride_tokens, rank_psum_ptr, expand)
+                mine, row = _own_rows(slot, rank, stride_tokens, own_first, expand)
                 rec = half_ptrs(tl.where(
                     mine, (x_ptr + tl.multiple_of(row * hidden, VEC)).to(tl.int64),
                     base + slot.to(tl.int64) * record_words * 4), VEC)
@@ -247,7 +248,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                 acc += bf16_to_f32(value)
             tl.store(out_ptr + rows, f32_to_bf16(acc), mask=mask)
         if has_w * (piece == 0) != 0:  # the weights go with the first piece of the tile
-            mine, row = _own_rows(slots, rank, stride_tokens, rank_psum_ptr, expand)
+            mine, row = _own_rows(slots, rank, stride_tokens, own_first, expand)
             at = tl.where(mine, (weights_ptr + row * K + kk[None, :]).to(tl.int64),
                           base + (tl.maximum(slots, 0).to(tl.int64) * record_words
                                   + weight_offset + kk[None, :]) * 4)

@@ -582,8 +582,8 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
-                    ROWS: tl.constexpr,
-                    VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr):
+                    ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
+                    BLOCK_P: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
