@@ -238,6 +238,16 @@ def profile_calls(tokens, hidden, topk, experts):
         pstats.Stats(profiler).sort_stats("tottime").print_stats(14 if sync else 8)
 
 
+def _pair_graph(buffer, x, idx, w, experts, expand):
+    """A CUDA graph of sync-free dispatch + combine of (x, idx, w) in layout `expand`, and the
+    dispatch outputs it writes (kept alive with it)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False, do_expand=expand)
+        buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
+    return graph, out
+
+
 def bench(tokens, hidden, topk, experts, num_sms=None):
     """EP=1 figures (runs in a one-rank group)."""
     from epcomm import Buffer
@@ -282,12 +292,8 @@ def bench(tokens, hidden, topk, experts, num_sms=None):
             rows.append((what, t_call, t_kernel, nbytes, units / 2 * t_copy / t_kernel, launches,
                          host))
     for expand in (False, True):
-        graph = torch.cuda.CUDAGraph()
-        out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False, do_expand=expand)
-        with torch.cuda.graph(graph):
-            out = buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False,
-                                  do_expand=expand)
-            buffer.combine(out[0], out[3], topk_weights=out[2])
+        buffer.dispatch(x, idx, w, num_experts=experts, do_cpu_sync=False, do_expand=expand)
+        graph, out = _pair_graph(buffer, x, idx, w, experts, expand)
         # Replays back to back are GPU-bound (about 11 us of host time each): their time is the
         # kernels' time.
         t_g, host_g = _cuda_time(graph.replay, 20)
@@ -310,12 +316,9 @@ def bench_shared(tokens, hidden, topk, experts, iters=50):
         opts = dict(do_expand=expand, do_cpu_sync=False)
         out = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
         buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
-        graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         dist.barrier()
-        with torch.cuda.graph(graph):
-            out = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
-            buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
+        graph, out = _pair_graph(buffer, x, idx, w, experts, expand)
         for _ in range(3):
             graph.replay()
         torch.cuda.synchronize()
