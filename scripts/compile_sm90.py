@@ -42,7 +42,7 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
         pos_scratch="i32", idx_ptr="i64", idx_copy="i64", weights_ptr="i32", p0_ptr="i32",
         p1_ptr="i32", slot_out="i32", hist_ptr="i32", idx_out="i64", w_out="i32",
         meta_out="i32", rank_psum_out="i32", expert_count_out="i32", expert_psum_out="i32",
-        q0_out="i32", q1_out="i32"),
+        q0_out="i32", q1_out="i32", counts_host="i32"),
     combine.combine_kernel: dict(
         bases_ptr="i64", sync_ptr="i64", rank_psum_ptr="i32", meta_ptr="i32", x_ptr="i16",
         weights_ptr="i32", slot_ptr="i32", bias0_ptr="i16", bias1_ptr="i16", out_ptr="i16",

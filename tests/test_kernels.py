@@ -107,11 +107,11 @@ def _receive_outputs(out_rows: int) -> dict:
 
 
 def _receive_phase(rank, layout, out, *, expand=False, out_rows=1, tail=False,
-                   capacity=2**31 - 1):
+                   capacity=2**31 - 1, counts_host=None):
     return dispatch.receive_phase(rank.hist, layout, max_tokens=S,
                                   num_local=4, alignment=2, capacity=capacity, out_rows=out_rows,
                                   expand=expand, zero_padding=True, tail=tail, weights_out=None,
-                                  **out)
+                                  counts_host=counts_host, **out)
 
 
 def _receive(rank, layout, *, out_rows=1, **options):
@@ -137,6 +137,20 @@ def test_receive_example():
     assert torch.equal(out["rows_out"][0], x[:1])
     assert rank.counters(0) == [1, 1, 1]  # this rank freed its staging block
     assert int(rank.error) == 0
+
+
+def test_receive_example_leaves_counts_in_host_memory():
+    """With counts_host (a synchronizing call's pinned host words): [rows, error flag, aligned
+    per-expert counts], the flag as the call leaves it (here one an earlier call raised)."""
+    rank = OneRank()
+    x, layout, _ = _send_example(rank)
+    rank.error.fill_(errors.INVALID_EXPERT_ID)
+    host = torch.full((6,), -7, dtype=i32, pin_memory=DEV.type == "cuda")
+    out = _receive(rank, layout, counts_host=host)
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+    assert host.tolist() == [1, errors.INVALID_EXPERT_ID, 2, 0, 0, 2]
+    assert out["expert_counts"].tolist() == [1, 0, 0, 1]
 
 
 def test_send_and_receive_in_one_launch():

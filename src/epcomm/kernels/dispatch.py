@@ -350,7 +350,7 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
 @triton.jit
 def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                   record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
-                  capacity, out_rows, expand, zero_padding, tail,
+                  capacity, out_rows, expand, zero_padding, tail, read_counts, counts_host,
                   idx_out, w_out, has_w, meta_out, rank_psum_out, expert_count_out,
                   expert_psum_out, p0_out, w0, off0, p1_out, w1, off1, x0_ptr, x1_ptr,
                   error_ptr, timeout, signature, K: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -489,6 +489,8 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
         if pid == 0:
             tl.store(expert_psum_out + e0 + ee, tl.where(expand != 0, starts + pairs, inclusive),
                      mask=emask)
+            if read_counts != 0:
+                tl.store(counts_host + 2 + e0 + ee, aligned, mask=emask)
         tl.store(first_rows + e0 + ee, starts, mask=emask)
         if expand != 0:
             # Weights 0 and, with zero padding, payload 0 in the gaps.
@@ -503,6 +505,12 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                     _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
                     _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
 
+    if pid == 0:
+        if read_counts != 0:
+            # Every flag this call can raise is raised by now but the expand overflow, which a
+            # synchronizing call's capacity rules out.
+            tl.store(counts_host, num_rows)
+            tl.store(counts_host + 1, tl.atomic_or(error_ptr, 0, sem="acquire", scope="gpu"))
     # phase-mark: receive-first-rows
     # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
     # groups, plus its rank in the group. Tiles are independent.
@@ -571,13 +579,14 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
     "rank", "num_ranks", "flags_offset", "region_offset", "stride_tokens", "record_words",
     "timeout", "signature", "do_send", "do_receive", "num_tokens", "num_experts", "copy_idx",
     "has_w", "w0", "off0", "w1", "off1", "max_tokens", "num_local", "alignment", "capacity",
-    "out_rows", "expand", "zero_padding", "tail", "has_w_out", "v0", "o0", "v1", "o1"])
+    "out_rows", "expand", "zero_padding", "tail", "read_counts", "has_w_out", "v0", "o0", "v1",
+    "o1"])
 def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                     record_words, sync_ptr, error_ptr, timeout, signature, do_send, do_receive,
                     counts_scratch, pos_scratch, idx_ptr, num_tokens, num_experts, idx_copy,
                     copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out,
                     hist_ptr, max_tokens, num_local, alignment, capacity, out_rows, expand,
-                    zero_padding, tail, idx_out, w_out, has_w_out,
+                    zero_padding, tail, read_counts, counts_host, idx_out, w_out, has_w_out,
                     meta_out, rank_psum_out, expert_count_out, expert_psum_out, q0_out, v0, o0,
                     q1_out, v1, o1, K: tl.constexpr, BLOCK_K: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
@@ -599,9 +608,9 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
     if do_receive != 0:
         _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                       record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
-                      capacity, out_rows, expand, zero_padding, tail,
-                      idx_out, w_out, has_w_out, meta_out, rank_psum_out, expert_count_out,
-                      expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr, p1_ptr,
+                      capacity, out_rows, expand, zero_padding, tail, read_counts,
+                      counts_host, idx_out, w_out, has_w_out, meta_out, rank_psum_out,
+                      expert_count_out, expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr, p1_ptr,
                       error_ptr, timeout, signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E,
                       BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, BLOCK_P)
 
@@ -692,7 +701,7 @@ def num_groups(programs: int, rows: int, max_rows: int) -> int:
 def receive_phase(hist_scratch, layout, *, max_tokens: int,
                   num_local: int, alignment: int, capacity: int, out_rows: int, expand: bool,
                   zero_padding: bool, tail: bool, idx_out, weights_out, metadata, rank_psum,
-                  expert_counts, expert_psum, rows_out) -> dict:
+                  expert_counts, expert_psum, rows_out, counts_host=None) -> dict:
     """The destination side of a dispatch, as `dispatch_kernel`'s arguments by name.
 
     Outputs (see docs/semantics.md): rank_psum [R], expert_counts [E_l], expert_psum [E_l]
@@ -702,17 +711,22 @@ def receive_phase(hist_scratch, layout, *, max_tokens: int,
     exist (pairs past it are dropped and flagged). `tail`: rows past the received prefix get
     -1 / 0 (sync-free outputs). Rows past `out_rows` (only possible when ranks passed different
     num_max_tokens_per_rank) are dropped and flag `errors.RECEIVE_OVERFLOW`. hist_scratch: int32
-    [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. Tensors may be
-    `Address` stand-ins as in `send_phase`.
+    [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. counts_host: None, or
+    int32 [2 + E_l] in pinned host memory (a synchronizing call's counts, read there without a
+    copy): gets the received rows, the error flag (every flag of the call but the expand
+    overflow, which its capacity rules out) and the aligned per-expert counts. Tensors may be `Address` stand-ins as in `send_phase`.
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send_phase` example):
     rank_psum = [1], expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4],
-    idx_out = [[0, 3]], metadata = [[0, 1, 0, 2]], rows_out = [x[0]].
+    idx_out = [[0, 3]], metadata = [[0, 1, 0, 2]], rows_out = [x[0]]; with counts_host, it
+    gets [1, 0, 2, 0, 0, 2].
     """
     payload = rows_out if rows_out else [metadata]
     return dict(hist_ptr=hist_scratch, max_tokens=max_tokens, num_local=num_local,
                 alignment=alignment, capacity=capacity, out_rows=out_rows, expand=int(expand),
                 zero_padding=int(zero_padding), tail=int(tail),
+                read_counts=int(counts_host is not None),
+                counts_host=metadata if counts_host is None else counts_host,
                 idx_out=metadata if idx_out is None else idx_out,
                 w_out=metadata if weights_out is None else weights_out.view(torch.int32),
                 has_w_out=int(weights_out is not None), meta_out=metadata,

@@ -23,7 +23,7 @@ from ..base import (Backend, BufferConfig, CombineRequest, DispatchRequest, Disp
 from .blocks import BlockLayout, TensorBlock
 from .heap import SymmetricHeap, all_gather_objects, heap_layout, heap_reachable
 from .heap import payload_words as hidden_payload_words
-from .plans import CombinePlan, Counts, DispatchPlan, HostRead, OutputSpec, Scratch
+from .plans import CombinePlan, DispatchPlan, HostCounts, OutputSpec, Scratch
 from .warmup import warm_up
 
 _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs)
@@ -137,8 +137,8 @@ class SymmetricBackend(Backend):
         self.counts_scratch = torch.zeros(programs * self.shape.block_r, dtype=i32, device=dev)
         self.pos_scratch = torch.zeros(S * R, dtype=i32, device=dev)
         self.hist = Scratch(dev)  # the receive part's, grown for the most local experts seen
-        self.host_read = HostRead(dev)  # a synchronizing dispatch's one read of its counts
         self._layouts: dict = {}  # payload words -> (RecordLayout, its dispatch Launcher)
+        self._host: dict[int, HostCounts] = {}  # see `_host_counts`
         self.combine_launcher = combine_kernels.launcher(self.combine_shape)
         self._block_layouts: dict = {}  # see `_block_layout`
         # The prepared calls: sync-free call shape (`DispatchRequest.key`) -> DispatchPlan;
@@ -232,7 +232,7 @@ class SymmetricBackend(Backend):
                 if plan.takes(addresses):
                     return plan.run(addresses, request.topk_idx, request.alloc, request.stream)
         R = self.num_ranks
-        E, align = request.num_experts, request.expert_alignment
+        E = request.num_experts
         num_local = E // R
         sync, alloc, cached, stream = request.do_cpu_sync, request.alloc, request.cached, \
             request.stream
@@ -257,32 +257,42 @@ class SymmetricBackend(Backend):
             block.arg("dst_buffer_slot_idx"), block.arg("topk_idx") if copy else None)
         recv_rows, recv_weights, local_idx = self._output_spec(request).allocate(
             alloc, num_rows, num_expanded)
+        counts = self._host_counts(num_local) if sync and cached is None else None
         launcher(variant, stream, self._receive_arguments(
             request, layout, block, send, hist, num_rows, num_expanded, recv_rows, recv_weights,
-            local_idx))
+            local_idx, counts))
         if cached is not None:
             return DispatchResult(recv_rows, local_idx, recv_weights, cached)
         handle = EPHandle(block, None, **self._handle_fields(request), num_recv_tokens=num_rows,
                           num_expanded_tokens=num_expanded, backend_state=block,
                           storage=block.storage())
         result = DispatchResult(recv_rows, local_idx, recv_weights, handle)
-        return self._exact(result, stream, align) if sync else result
+        return self._exact(result, stream, counts) if sync else result
 
-    def _exact(self, result: DispatchResult, stream, alignment: int) -> DispatchResult:
+    def _host_counts(self, num_local: int) -> HostCounts:
+        """Where a synchronizing dispatch with `num_local` local experts gets its counts: one per
+        E_l (each such call reads them before it returns, so calls never share one in
+        flight)."""
+        host = self._host.get(num_local)
+        if host is None:
+            host = self._host[num_local] = HostCounts(num_local, self.device)
+        return host
+
+    def _exact(self, result: DispatchResult, stream, host: HostCounts) -> DispatchResult:
         """A synchronizing dispatch's results, from those of the call made as a sync-free one:
-        one host read of the counts and the error flag, then the outputs cut to their valid
-        prefix (views of the capacity-sized outputs: nothing is copied) and the handle given
-        the exact sizes and `num_recv_tokens_per_expert_list`."""
+        one wait for its launch, then the counts and the error flag it left in `host`, the
+        outputs cut to their valid prefix (views of the capacity-sized outputs: nothing is
+        copied) and the handle given the exact sizes and `num_recv_tokens_per_expert_list`."""
         handle = result.handle
         block: TensorBlock = handle.backend_state
-        counts = self._read_counts(block.block, stream, block.layout, alignment)
+        counts = host.read(stream)
         self._raise_flags("dispatch", counts.flags)
         num_rows = counts.num_rows
         rows = sum(counts.per_expert) if handle.do_expand else num_rows
         handle.num_recv_tokens = num_rows
         handle.num_expanded_tokens = rows if handle.do_expand else 0
         handle.num_recv_tokens_per_expert_list = counts.per_expert
-        handle.recv_src_metadata = block["recv_src_metadata"][:num_rows]
+        handle.recv_src_metadata = block.prefix("recv_src_metadata", num_rows)
         idx, weights = result.recv_topk_idx, result.recv_topk_weights
         return DispatchResult([row[:rows] for row in result.recv_rows],
                               None if idx is None else idx[:num_rows],
@@ -312,14 +322,17 @@ class SymmetricBackend(Backend):
 
     def _receive_arguments(self, request: DispatchRequest, layout: RecordLayout,
                            block: TensorBlock, send: dict, hist, num_rows: int,
-                           num_expanded: int, recv_rows, recv_weights, local_idx) -> dict:
-        """The arguments of the launch that sends and fills the outputs."""
+                           num_expanded: int, recv_rows, recv_weights, local_idx,
+                           counts: Optional[HostCounts]) -> dict:
+        """The arguments of the launch that sends and fills the outputs (`counts`: where a
+        synchronizing call's kernel leaves its counts)."""
         expand = request.do_expand
         receive = dispatch_kernels.receive_phase(
             hist, layout, capacity=num_expanded if expand else _NO_CAPACITY,
             out_rows=num_rows, zero_padding=request.do_zero_padding,
             tail=not request.do_cpu_sync, idx_out=local_idx, weights_out=recv_weights,
             metadata=block.arg("recv_src_metadata"), rows_out=recv_rows,
+            counts_host=None if counts is None else counts.words,
             **self._receive_parts(request, block))
         return dispatch_kernels.arguments(self.dispatch_stage, layout, self.sync, self.flags,
                                           self.timeout, send, receive)
@@ -331,19 +344,6 @@ class SymmetricBackend(Backend):
                     do_expand=request.do_expand, do_cpu_sync=request.do_cpu_sync,
                     buffer_id=self.config.buffer_id, num_tokens=request.topk_idx.shape[0],
                     hidden=self.hidden, num_sms=self._num_sms)
-
-    def _read_counts(self, block: torch.Tensor, stream, layout: BlockLayout,
-                     alignment: int) -> Counts:
-        """A dispatch's counts in one host read: the handle block's words from the per-source
-        prefix to the end of the per-expert counts (they lie in that order), and the error
-        flag."""
-        psum_at = layout.parts["psum_num_recv_tokens_per_scaleup_rank"][0]
-        at, (num_local,), _ = layout.parts["num_unaligned_recv_tokens_per_expert"]
-        words = self.host_read([block[psum_at:at + num_local], self.flags.view(1)], stream)
-        counts = words[at - psum_at:-1]
-        if alignment > 1:  # (inline: a call per expert costs microseconds at 256 experts)
-            counts = [(count + alignment - 1) // alignment * alignment for count in counts]
-        return Counts(words[self.num_ranks - 1], counts, words[-1])
 
     def _prepare(self, request: DispatchRequest) -> Optional[DispatchPlan]:
         """The prepared call of this call's shape: the launch's arguments built by the same
@@ -381,10 +381,11 @@ class SymmetricBackend(Backend):
             self.counts_scratch, self.pos_scratch, idx_slot, request.num_experts, weights_slot,
             row_slots, layout, block.arg("dst_buffer_slot_idx"),
             block.arg("topk_idx") if copy else None)
+        counts = self._host_counts(num_local) if request.do_cpu_sync else None
         fields = self._receive_arguments(request, layout, block, send, hist, num_rows,
-                                         num_expanded, recv_rows, recv_weights, local_idx)
-        exact = functools.partial(self._exact, alignment=request.expert_alignment) \
-            if request.do_cpu_sync else None
+                                         num_expanded, recv_rows, recv_weights, local_idx,
+                                         counts)
+        exact = None if counts is None else functools.partial(self._exact, host=counts)
         return DispatchPlan(launcher, variant, block_layout, shapes, copy,
                             dict(self._handle_fields(request), num_recv_tokens=num_rows,
                                  num_expanded_tokens=num_expanded),

@@ -6,7 +6,6 @@ outputs' addresses and launches: no argument builders, no views, every pointer a
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable, Hashable, Optional, Sequence
 
@@ -77,35 +76,24 @@ class Scratch:
         return self.tensor
 
 
-class HostRead:
-    """Small int32 device tensors read back to the host with one wait: copied into one pinned
-    host tensor on the call's stream, then one event waited for (a `.item()` or `.tolist()` per
-    tensor waits once each, about 10 us apiece on the GPU machine)."""
+class HostCounts:
+    """Where a synchronizing dispatch's kernel leaves its counts for the host: int32 [2 + E_l]
+    in pinned host memory, which the device writes (unified addressing), so reading them costs
+    one wait and no copy (`dispatch_kernels.receive_phase`, counts_host): [received rows, error
+    flag, aligned per-expert counts]."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.host = torch.empty(0, dtype=torch.int32)
+    def __init__(self, num_local: int, device: torch.device) -> None:
+        cuda = device.type == "cuda"
+        self.words = torch.zeros(2 + num_local, dtype=torch.int32, pin_memory=cuda)
+        self.done = torch.cuda.Event() if cuda else None
 
-    def __call__(self, parts: Sequence[torch.Tensor],
-                 stream: Optional["torch.cuda.Stream"]) -> list[int]:
-        """The values of the 1-D int32 `parts`, concatenated, once the work queued on
-        `stream` (None: the current stream) before this call has written them."""
-        words = sum(part.numel() for part in parts)
-        if self.host.numel() < words:
-            self.host = torch.empty(words, dtype=torch.int32,
-                                    pin_memory=self.device.type == "cuda")
-        cuda = self.device.type == "cuda"
-        with torch.cuda.stream(stream) if cuda and stream is not None else \
-                contextlib.nullcontext():
-            at = 0
-            for part in parts:
-                self.host[at:at + part.numel()].copy_(part, non_blocking=cuda)
-                at += part.numel()
-            if cuda:
-                done = torch.cuda.Event()
-                done.record()
-                done.synchronize()
-        return self.host[:words].tolist()
+    def read(self, stream: Optional["torch.cuda.Stream"]) -> "Counts":
+        """The counts, once the launch queued on `stream` (None: the current stream) is done."""
+        if self.done is not None:
+            self.done.record(stream)
+            self.done.synchronize()
+        words = self.words.tolist()
+        return Counts(words[0], words[2:], words[1])
 
 
 @dataclass(frozen=True)
