@@ -83,9 +83,12 @@ class HostCounts:
     flag, aligned per-expert counts]."""
 
     def __init__(self, num_local: int, device: torch.device) -> None:
-        cuda = device.type == "cuda"
-        self.words = torch.zeros(2 + num_local, dtype=torch.int32, pin_memory=cuda)
-        self.done = torch.cuda.Event() if cuda else None
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # pinned (and mapped) for this device's context
+                self.words = torch.zeros(2 + num_local, dtype=torch.int32, pin_memory=True)
+            self.done = torch.cuda.Event()
+        else:
+            self.words, self.done = torch.zeros(2 + num_local, dtype=torch.int32), None
 
     def read(self, stream: Optional["torch.cuda.Stream"]) -> "Counts":
         """The counts, once the launch queued on `stream` (None: the current stream) is done."""
