@@ -285,13 +285,12 @@ class SymmetricBackend(Backend):
         copied) and the handle given the exact sizes and `num_recv_tokens_per_expert_list`."""
         handle = result.handle
         block: TensorBlock = handle.backend_state
-        counts = host.read(stream)
-        self._raise_flags("dispatch", counts.flags)
-        num_rows = counts.num_rows
-        rows = sum(counts.per_expert) if handle.do_expand else num_rows
+        num_rows, per_expert, flags = host.read(stream)
+        self._raise_flags("dispatch", flags)
+        rows = sum(per_expert) if handle.do_expand else num_rows
         handle.num_recv_tokens = num_rows
         handle.num_expanded_tokens = rows if handle.do_expand else 0
-        handle.num_recv_tokens_per_expert_list = counts.per_expert
+        handle.num_recv_tokens_per_expert_list = per_expert
         handle.recv_src_metadata = block.prefix("recv_src_metadata", num_rows)
         idx, weights = result.recv_topk_idx, result.recv_topk_weights
         return DispatchResult([row[:rows] for row in result.recv_rows],

@@ -90,23 +90,14 @@ class HostCounts:
         else:
             self.words, self.done = torch.zeros(2 + num_local, dtype=torch.int32), None
 
-    def read(self, stream: Optional["torch.cuda.Stream"]) -> "Counts":
-        """The counts, once the launch queued on `stream` (None: the current stream) is done."""
+    def read(self, stream: Optional["torch.cuda.Stream"]) -> tuple[int, list[int], int]:
+        """(received rows, aligned per-expert counts, error flag), once the launch queued on
+        `stream` (None: the current stream) is done."""
         if self.done is not None:
             self.done.record(stream)
             self.done.synchronize()
         words = self.words.tolist()
-        return Counts(words[0], words[2:], words[1])
-
-
-@dataclass(frozen=True)
-class Counts:
-    """What a synchronizing dispatch reads back once its launch is done: the received compact
-    rows, each local expert's rows aligned up, and the error flag (see `SymmetricBackend`)."""
-
-    num_rows: int
-    per_expert: list[int]
-    flags: int
+        return words[0], words[2:], words[1]
 
 
 class DispatchPlan:
