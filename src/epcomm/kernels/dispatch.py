@@ -505,12 +505,11 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                     _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
                     _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
 
-    if pid == 0:
-        if read_counts != 0:
-            # Every flag this call can raise is raised by now but the expand overflow, which a
-            # synchronizing call's capacity rules out.
-            tl.store(counts_host, num_rows)
-            tl.store(counts_host + 1, tl.atomic_or(error_ptr, 0, sem="acquire", scope="gpu"))
+    if (pid == 0) & (read_counts != 0):
+        # Every flag this call can raise is raised by now but the expand overflow, which a
+        # synchronizing call's capacity rules out.
+        tl.store(counts_host, num_rows)
+        tl.store(counts_host + 1, tl.atomic_or(error_ptr, 0, sem="acquire", scope="gpu"))
     # phase-mark: receive-first-rows
     # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
     # groups, plus its rank in the group. Tiles are independent.
@@ -610,8 +609,8 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
                       capacity, out_rows, expand, zero_padding, tail, read_counts,
                       counts_host, idx_out, w_out, has_w_out, meta_out, rank_psum_out,
-                      expert_count_out, expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr, p1_ptr,
-                      error_ptr, timeout, signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E,
+                      expert_count_out, expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr,
+                      p1_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E,
                       BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, BLOCK_P)
 
 
@@ -714,7 +713,8 @@ def receive_phase(hist_scratch, layout, *, max_tokens: int,
     [hist_scratch_words(P, ROWS, rows, E_l, K)] for the rows received. counts_host: None, or
     int32 [2 + E_l] in pinned host memory (a synchronizing call's counts, read there without a
     copy): gets the received rows, the error flag (every flag of the call but the expand
-    overflow, which its capacity rules out) and the aligned per-expert counts. Tensors may be `Address` stand-ins as in `send_phase`.
+    overflow, which its capacity rules out) and the aligned per-expert counts. Tensors may be
+    `Address` stand-ins as in `send_phase`.
 
     Example (one rank, E_l 4, alignment 2, compact, after the `send_phase` example):
     rank_psum = [1], expert_counts = [1, 0, 0, 1], expert_psum = [2, 2, 2, 4],
