@@ -303,40 +303,6 @@ def bench(tokens, hidden, topk, experts, num_sms=None):
     return rows, buffer.num_sms
 
 
-def bench_shared(tokens, hidden, topk, experts, iters=50):
-    """Every process of the group replays its CUDA graph of sync-free dispatch + combine
-    (compact, then expand) back to back, all at once on the GPU they share: {layout: the
-    median over the processes of the mean us per replay}."""
-    from epcomm import Buffer
-    device = torch.device("cuda", torch.cuda.current_device())
-    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
-    x, idx, w = _data(dist.get_rank(), tokens, hidden, topk, experts, False, 7, device)
-    figures = {}
-    for expand in (False, True):
-        opts = dict(do_expand=expand, do_cpu_sync=False)
-        out = buffer.dispatch(x, idx, w, num_experts=experts, **opts)
-        buffer.combine(_rows(out[0])[0], out[3], topk_weights=out[2])
-        torch.cuda.synchronize()
-        dist.barrier()
-        graph, out = _pair_graph(buffer, x, idx, w, experts, expand)
-        for _ in range(3):
-            graph.replay()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        mine = start.elapsed_time(end) * 1e3 / iters
-        every = [None] * dist.get_world_size()
-        dist.all_gather_object(every, mine)
-        figures["expand" if expand else "compact"] = sorted(every)[len(every) // 2]
-        del graph, out
-    return figures
-
-
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, nargs="*", default=[2, 4, 8])
@@ -378,7 +344,8 @@ def main():
               f"{nbytes / t_kernel / 1e9:14.1f} | {ratio:15.0%} | {launches:8d} | "
               f"{host * 1e6:8.1f} |")
     if args.shared:
-        shared = run_local_ranks(bench_shared, args.shared, *shape, timeout_s=600)[0]
+        from epcomm.bench_paths import shared_replays
+        shared = run_local_ranks(shared_replays, args.shared, *shape, timeout_s=600)[0]
         print(f"\n{args.shared} processes sharing the GPU, graph replay of dispatch + combine, "
               f"us per replay (median over the processes) against {args.shared} x EP=1:")
         print("| layout | shared | EP=1 | ratio to the bound |\n|---|---:|---:|---:|")

@@ -159,3 +159,28 @@ def test_plot_paths_draws_or_names_the_extra(tmp_path):
         return
     plot_paths(rows, str(target))
     assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shared_rows_set_each_layout_against_n_times_its_ep1_replay(monkeypatch):
+    """The shared-GPU rows take each layout's figure from the processes and N x the EP=1
+    replay of the same token count as their floor (the replays themselves need a GPU:
+    scripts/gpu_symmetric.py --shared N and `python -m epcomm bench` run them there)."""
+    import epcomm.testing.launch as launch
+    from epcomm import bench_paths
+    calls = []
+
+    def fake_ranks(fn, world_size, *args, **kwargs):
+        calls.append((fn, world_size, args))
+        return [{"compact": 300.0, "expand": 480.0}] * world_size
+
+    monkeypatch.setattr(launch, "run_local_ranks", fake_ranks)
+    replay = "symmetric graph replay dispatch+combine"
+    ep1 = [dict(what=replay, tokens=128, layout="compact", us=30.0),
+           dict(what=replay, tokens=128, layout="expand", us=50.0),
+           dict(what=replay, tokens=4096, layout="compact", us=140.0),
+           dict(what="symmetric combine", tokens=128, layout="compact", us=12.0)]
+    rows = bench_paths.shared_rows(8, 128, 7168, 8, 256, ep1, seed=3)
+    assert calls == [(bench_paths.shared_replays, 8, (128, 7168, 8, 256, 50, 3))]
+    assert [(r["layout"], r["us"], r["floor_us"], r["goal"]) for r in rows] == [
+        ("compact", 300.0, 240.0, "<= 8x EP=1"), ("expand", 480.0, 400.0, "<= 8x EP=1")]
+    assert all(r["what"].endswith("8 processes sharing the GPU") for r in rows)

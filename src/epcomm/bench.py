@@ -743,6 +743,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plot", default=None, metavar="FILE",
                         help="draw the EP=1 paths' latency against tokens per rank to FILE "
                              "(implies --paths; needs matplotlib: epcomm[plot])")
+    parser.add_argument("--shared", type=int, default=8, metavar="N",
+                        help="with the paths on one GPU: then N processes sharing it, each "
+                             "replaying its graph of dispatch + combine at 128 tokens, against "
+                             "N x the EP=1 replay (default 8; 0: not run)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -792,6 +796,9 @@ def _run_paths(args: argparse.Namespace, opts: Options) -> list[dict]:
     tokens = [int(n) for n in (args.paths_tokens or default).split(",")]
     rows = bench_paths.run_paths(tokens, config.hidden, config.num_topk, config.num_experts,
                                  seed=opts.seed)
+    if cuda and args.shared and 128 in tokens and torch.cuda.device_count() == 1:
+        rows += bench_paths.shared_rows(args.shared, 128, config.hidden, config.num_topk,
+                                        config.num_experts, rows, seed=opts.seed)
     print(f"\n# every path at EP=1, one process ({'NCCL' if cuda else 'gloo'}), "
           f"{config.name}: hidden {config.hidden}, top-{config.num_topk}, "
           f"{config.num_experts} experts, bf16; us per call, back to back")

@@ -36,8 +36,8 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["PathRow", "run_paths", "low_latency_pair", "low_latency_rows", "format_paths",
-           "plot_paths", "example", "copy_us", "time_us"]
+__all__ = ["PathRow", "run_paths", "shared_replays", "shared_rows", "low_latency_pair",
+           "low_latency_rows", "format_paths", "plot_paths", "example", "copy_us", "time_us"]
 
 
 @dataclass
@@ -270,6 +270,55 @@ def _rank_paths(tokens_list: Sequence[int], hidden: int, topk: int, experts: int
         if device.type == "cuda" and tokens <= 256:
             rows += low_latency_rows(x, idx, weights, experts, iters, goals)
     return [asdict(row) for row in rows]
+
+
+def shared_replays(tokens: int, hidden: int, topk: int, experts: int, iters: int = 50,
+                   seed: int = 0) -> dict[str, float]:
+    """Runs in every process of a group whose processes share one GPU (gloo, CUDA IPC): a
+    symmetric `Buffer`, then per layout a CUDA graph of sync-free dispatch + combine of this
+    process's tokens, replayed `iters` times back to back by every process at once.
+    Returns {"compact": us, "expand": us}: the median over the processes of their mean us
+    per replay (every process gets the same figures)."""
+    from .buffer import Buffer
+    from .testing.launch import capture_graph
+    device = torch.device("cuda", torch.cuda.current_device())
+    buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric")
+    x, idx, weights = example(tokens, hidden, topk, experts, device, seed + dist.get_rank())
+    figures = {}
+    for layout in ("compact", "expand"):
+        def pair():
+            out = buffer.dispatch(x, idx, weights, num_experts=experts, do_cpu_sync=False,
+                                  do_expand=layout == "expand")
+            buffer.combine(out[0], out[3], topk_weights=out[2])
+            return out
+        graph, _ = capture_graph(pair)
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize(device)
+        dist.barrier()  # (every process's graph is ready: they replay at once)
+        mine = time_us(graph.replay, device, iters, warmup=0)
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+        figures[layout] = sorted(every)[len(every) // 2]
+        del graph
+    buffer.destroy()
+    return figures
+
+
+def shared_rows(processes: int, tokens: int, hidden: int, topk: int, experts: int,
+                rows: Sequence[dict], seed: int = 0, timeout_s: float = 600.0) -> list[dict]:
+    """`processes` processes sharing the GPU, each replaying its graph of dispatch + combine
+    (`shared_replays`), as rows beside `processes` x the EP=1 replay of the same token count
+    in `rows` (`run_paths`' rows; its floor, the goal being no slower than that)."""
+    from .testing.launch import run_local_ranks
+    figures = run_local_ranks(shared_replays, processes, tokens, hidden, topk, experts, 50,
+                              seed, timeout_s=timeout_s)[0]
+    single = {row["layout"]: row["us"] for row in rows if row["tokens"] == tokens
+              and row["what"] == "symmetric graph replay dispatch+combine"}
+    return [asdict(PathRow(
+        f"symmetric graph replay dispatch+combine, {processes} processes sharing the GPU",
+        tokens, layout, us, processes * single[layout] if layout in single else None,
+        f"<= {processes}x EP=1")) for layout, us in figures.items()]
 
 
 def run_paths(tokens_list: Sequence[int], hidden: int, topk: int, experts: int,

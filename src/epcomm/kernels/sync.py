@@ -68,12 +68,19 @@ def wait_counters(ptrs, mask, target, timeout):
     at system scope. Returns True if all arrived within `timeout` nanoseconds of wall-clock
     time. The caller puts a `tl.debug_barrier()` after it before other threads read what the
     counters guard."""
-    value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    return _wait(ptrs, mask, target, timeout, "sys")
+
+
+@triton.jit
+def _wait(ptrs, mask, target, timeout, SCOPE: tl.constexpr):
+    """`wait_counters` with acquire loads at `SCOPE` ("gpu": counters only programs of the
+    same launch write)."""
+    value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
     waiting = total(((value < target) & mask).to(tl.int32))
     start = clock_ns()
     spent = tl.full([], 0, tl.int64)
     while (waiting > 0) & (spent < timeout):
-        value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope="sys")
+        value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
         waiting = total(((value < target) & mask).to(tl.int32))
         spent = clock_ns() - start
     return waiting == 0
@@ -84,7 +91,13 @@ def await_counters(ptrs, mask, target, error_ptr, error_bit, timeout):
     """`wait_counters`, then on a timeout OR `error_bit` into the error flag (the caller goes on:
     a late counter reads as not arrived), then a barrier so that every thread of the program
     reads what the counters guard only after them."""
-    if not wait_counters(ptrs, mask, target, timeout):
+    _await(ptrs, mask, target, error_ptr, error_bit, timeout, "sys")
+
+
+@triton.jit
+def _await(ptrs, mask, target, error_ptr, error_bit, timeout, SCOPE: tl.constexpr):
+    """`await_counters` with acquire loads at `SCOPE`."""
+    if not _wait(ptrs, mask, target, timeout, SCOPE):
         tl.atomic_or(error_ptr, error_bit)
     tl.debug_barrier()
 
@@ -138,9 +151,10 @@ def grid_barrier(counter_ptr, error_ptr, error_bit, timeout):
     num_programs = tl.num_programs(0)
     old = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     call = old // num_programs + 1
-    one = tl.arange(0, 2) < 1  # a 1-element view: wait_counters works on blocks
-    await_counters(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, error_ptr,
-                   error_bit, timeout)
+    one = tl.arange(0, 2) < 1  # a 1-element view: the wait works on blocks
+    # (gpu scope: only programs of this launch touch the counter)
+    _await(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, error_ptr, error_bit,
+           timeout, "gpu")
     return call
 
 
