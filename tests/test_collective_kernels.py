@@ -46,7 +46,7 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
     `SyncDispatchPlan` and `CombinePlan`: templates filled with the call's addresses and
     sizes). Run here under the interpreter: each filled launch has its int addresses mapped
     back to the tensors they belong to (the interpreter takes tensors for pointer
-    parameters)."""
+    parameters), the parts of a handle block to views of it."""
     from epcomm import buffer as buffer_module
     from epcomm.backends import collective_kernels
     from epcomm.backends.base import OutputAllocator
@@ -97,6 +97,14 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         syncs.append(self.call.expand)
         return real_run_sync(self, *args)
 
+    class Block(collective_kernels.TensorBlock):
+        def __init__(self, block, layout, extra=None):
+            super().__init__(block, layout, extra)
+            if isinstance(block, torch.Tensor):
+                # (by address: an empty view reports 0; a part of no words shares its address
+                # with the next part, whose view is kept)
+                live.update((self.address_of(name), self[name]) for name in layout.parts)
+
     def combine_callers(*args):
         tensors = real_callers(*args)
         remember(*tensors.values())
@@ -123,6 +131,7 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         patch.setattr(collective_kernels, "INTERPRET", False)
         patch.setattr(collective_kernels.DispatchPlan, "run", run)
         patch.setattr(collective_kernels, "_combine_callers", combine_callers)
+        patch.setattr(collective_kernels, "TensorBlock", Block)
         patch.setattr(collective_kernels.CombinePlan, "run", run_combine)
         for sync in (False, True):
             for expand in (False, True):

@@ -335,7 +335,7 @@ def test_tensor_block_views_on_16_byte_boundaries():
     overlapping, made on first access; `address_of` gives each view's address without making
     it, and a block of an `Address` stand-in gives `arg` as offsets from it; extra tensors are
     its own."""
-    from epcomm.backends.symmetric.blocks import BlockLayout, TensorBlock
+    from epcomm.backends.blocks import BlockLayout, TensorBlock
     from epcomm.kernels.launcher import Address
     layout = BlockLayout([("a", (3,), i32), ("b", (2, 4), i32), ("c", (0,), i32),
                           ("d", (5, 3), i64), ("e", (1,), i32)])

@@ -298,11 +298,8 @@ class Buffer:
         return exc
 
     def _direct(self, inputs) -> bool:
-        """Whether a call may run on the current stream as far as the backend and the inputs
-        go (`StreamPolicy.run`): the backend queues on named streams and takes every input
-        without a copy."""
-        if not self._backend.explicit_streams:
-            return False
+        """Whether a call may run on the current stream as far as its inputs go
+        (`StreamPolicy.run`): the backend takes every input without a copy."""
         alignment = self._backend.input_alignment
         return all(tensor is None or _taken_as_is(tensor, alignment) for tensor in inputs)
 
@@ -416,7 +413,8 @@ class Buffer:
                 try:
                     result, event = self._streams.run(work, inputs, previous_event,
                                                       async_with_compute_stream,
-                                                      allocate_on_comm_stream, direct=True)
+                                                      allocate_on_comm_stream, direct=True,
+                                                      explicit=True)
                 except _FAULTS as exc:
                     raise self._broken_by(exc)
                 if not do_handle_copy:
@@ -457,7 +455,7 @@ class Buffer:
             result, event = self._streams.run(
                 work, inputs if stats is None else (*inputs, stats), args.previous_event,
                 args.async_with_compute_stream, args.allocate_on_comm_stream,
-                self._direct(inputs))
+                self._direct(inputs), self._backend.explicit_streams)
         except _FAULTS as exc:
             raise self._broken_by(exc)
         if handle is None and not args.do_handle_copy:
@@ -562,7 +560,7 @@ class Buffer:
         try:
             (combined_x, combined_weights), event = self._streams.run(
                 work, inputs, previous_event, async_with_compute_stream,
-                allocate_on_comm_stream, self._direct(inputs))
+                allocate_on_comm_stream, self._direct(inputs), self._backend.explicit_streams)
         except _FAULTS as exc:
             raise self._broken_by(exc)
         if self.device.type == "cpu":

@@ -3,11 +3,12 @@ what, and how tensors are kept alive until the communication stream is done with
 (contract: streams and events).
 
 One decision, `StreamPolicy.run`: a call the current stream waits for anyway (no
-`async_with_compute_stream`, no `previous_event`, outputs from the current stream's pool) of a
-backend that queues its work on a named stream and takes its inputs without copies, runs on
-the current stream itself when the buffer's earlier calls are all queued there
-(`_direct_stream`): the same order the communication stream would give, without two event
-hand-offs or any `record_stream`. Every other call goes through the communication stream.
+`async_with_compute_stream`, no `previous_event`, outputs from the current stream's pool) whose
+inputs the backend takes without copies runs on the current stream itself when the buffer's
+earlier calls are all queued there (`_direct_stream`): the same order the communication stream
+would give, without two event hand-offs or any `record_stream`. Every other call goes through
+the communication stream, made current for it unless the backend queues its work on the stream
+it is named.
 """
 from __future__ import annotations
 
@@ -89,14 +90,14 @@ class StreamPolicy:
 
     def run(self, work: Callable, inputs: Sequence[Optional[torch.Tensor]],
             previous_event: Optional[EventOverlap], async_with_compute_stream: bool,
-            allocate_on_comm_stream: bool, direct: bool):
+            allocate_on_comm_stream: bool, direct: bool, explicit: bool):
         """Run `work(alloc, stream)`, which queues its device work on `stream` and allocates
         its outputs through `alloc`: (its result, the call's `EventOverlap`). `inputs`: the
-        tensors the call reads. `direct`: the call may run on the current stream (the backend
-        queues on named streams, its inputs are taken as they are; a call that reads counts
-        back waits for that stream, as it would for the comm stream); it does when
-        `_direct_stream_now` allows it. Otherwise the comm stream runs it, made current only
-        when `work` may need that (switching costs host time)."""
+        tensors the call reads. `direct`: the call may run on the current stream (its inputs
+        are taken as they are; a call that reads counts back waits for that stream, as it would
+        for the comm stream); it does when `_direct_stream_now` allows it. Otherwise the comm
+        stream runs it, made current unless `direct` and `explicit` (`work` queues everything
+        on the stream it is given, copies of inputs included: switching costs host time)."""
         if self.device.type != "cuda":
             return work(OutputAllocator(self.device), None), EventOverlap()
         self.release_completed()
@@ -116,7 +117,7 @@ class StreamPolicy:
         # Never while capturing: an event recorded in a capture cannot be waited on after it.
         capturing = torch._C._cuda_isCurrentStreamCapturing()  # (torch.cuda wraps it: 1 us)
         entry_event = None if previous_event is None else previous_event.event
-        switch = not (direct and same_device)
+        switch = not (direct and explicit and same_device)
         comm = comm_stream(self.device)
         if self._direct_stream is not None:
             # Calls through one buffer never overlap: this one waits for the direct ones,

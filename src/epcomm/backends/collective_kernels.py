@@ -26,6 +26,7 @@ from ..kernels import INTERPRET
 from ..kernels import collective as kernels
 from ..kernels.launcher import Address, Launcher, addresses_aligned, next_power_of_2
 from ..layout import expand_capacity
+from .blocks import BlockLayout, TensorBlock
 from .base import (CombineRequest, DispatchRequest, DispatchResult, caller_tensors,
                    empty_makers, remember)
 from .collective import _HEADER_WORDS
@@ -48,14 +49,13 @@ _ROWS_PER_PROGRAM = 4  # programs: one per 4 rows of the largest side, up to 2 p
 
 @dataclass
 class KernelState:
-    """What combine and a cached dispatch reuse. pos: [T, R] int32, each token's row among
-    those sent to each rank (-1: not sent); send_counts: [R] int32 device; splits (exact
-    blocks, synchronizing calls; None for padded blocks): records sent to / received from each
-    rank, host lists, and recv_counts the rows of the count exchange that hold the latter
-    ([R, n] int64 on the device, row r's record count at word _HEADER_WORDS - 1)."""
+    """What combine and a cached dispatch reuse besides the handle's tensors (its block also
+    holds `pos`, [T, R] int32, each token's row among those sent to each rank, -1 where not
+    sent, and `send_counts`, [R] int32): splits (exact blocks, synchronizing calls; None for padded blocks):
+    records sent to / received from each rank, host lists, and recv_counts the rows of the
+    count exchange that hold the latter ([R, n] int64 on the device, row r's record count at
+    word _HEADER_WORDS - 1)."""
 
-    pos: torch.Tensor
-    send_counts: torch.Tensor
     send_splits: Optional[list[int]]
     recv_splits: Optional[list[int]]
     recv_counts: Optional[torch.Tensor]
@@ -164,6 +164,7 @@ class DispatchPlan(_Plan):
                          launches)  # count, pack, the rest
         self.call, self.sizes = call, sizes
         self.names = [name for name, *_ in allocations]
+        self.layout = path.handle_layout(call, sizes.num_rows)
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
@@ -172,14 +173,14 @@ class DispatchPlan(_Plan):
         # (each template takes the slots up to its last one)
         values = [*addresses, *[tensor.data_ptr() for tensor in tensors]]
         t = dict(zip(self.names, tensors))
+        block = TensorBlock(t["block"], self.layout,
+                            None if self.call.copy_idx else {"topk_idx": topk_idx})
         for at, (launcher, variant, template) in enumerate(self.launches):
             if at == 2:  # after count and pack
                 self.path.issue_on(stream, self.path.backend._all_to_all, "dispatch", t["recv"],
                                    t["send"])
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
-        if not self.call.copy_idx:
-            t["idx_copy"] = topk_idx
-        return self.path.result(self.call, self.sizes, t, None, False)
+        return self.path.result(self.call, self.sizes, t, block, None, False)
 
 
 class SyncDispatchPlan(_Plan):
@@ -216,16 +217,16 @@ class SyncDispatchPlan(_Plan):
         values += [received.data_ptr(), *[tensor.data_ptr() for tensor in tensors],
                    sizes.num_rows, path._bound(call, sizes)]
         t = dict(zip(self.names, tensors), exact_counts=received)
+        block = TensorBlock(t["block"], path.handle_layout(call, sizes.num_rows),
+                            None if call.copy_idx else {"topk_idx": topk_idx})
         launcher, variant, template = pack
         launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         path.issue_on(stream, b._all_to_all, "dispatch", t["recv"], t["send"],
                       _block_splits(sizes.recv_splits), _block_splits(sizes.send_splits))
         for launcher, variant, template in rest:
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
-        path.raise_flags(flags)
-        if not call.copy_idx:
-            t["idx_copy"] = topk_idx
-        return path.result(call, sizes, t, None, True)
+        path.issue_on(stream, path.raise_flags, flags)
+        return path.result(call, sizes, t, block, None, True)
 
 
 class KernelPath:
@@ -243,6 +244,7 @@ class KernelPath:
         self.launchers: dict = {}
         self.plans: dict = {}
         self.combine_plans: dict = {}
+        self.handle_layouts: dict = {}
         # slots per expert of a synchronizing call ([E] int64), zeroed again by header_kernel
         self.experts = torch.zeros(0, dtype=torch.int64, device=config.device)
         # stands in for the weights of a call without them (the kernels do not read it)
@@ -295,20 +297,14 @@ class KernelPath:
         """(name, shape, dtype, output) of every tensor a dispatch allocates after its count
         (scratch unless `output`)."""
         b = self.backend
-        R, M, T, K = b.num_ranks, call.max_tokens, call.num_tokens, call.num_topk
+        R, M, K = b.num_ranks, call.max_tokens, call.num_topk
         num_local = call.num_experts // R
         nbytes = call.record_words * 4
         i32 = torch.int32
         out = [("send", (_block_rows(sizes.send_splits, R, M), nbytes), torch.uint8, False),
                ("recv", (_block_rows(sizes.recv_splits, R, M), nbytes), torch.uint8, False),
-               ("pos", (T, R), i32, True), ("slot", (T, K), i32, True),
-               ("send_counts", (R,), i32, True),
-               ("metadata", (sizes.num_rows, K + 2), i32, True),
-               ("rank_psum", (R,), i32, True), ("expert_counts", (num_local,), i32, True),
-               ("expert_psum", (num_local,), i32, True),
+               ("block", (self.handle_layout(call, sizes.num_rows).words,), i32, True),
                ("hist", (self.programs, max(num_local, 1)), i32, False)]
-        if call.copy_idx:
-            out.append(("idx_copy", (T, K), call.idx_dtype, True))
         rows = sizes.num_expanded if call.expand else sizes.num_rows
         out += [(f"out{i}", (rows, *shape), dtype, True) for i, (shape, dtype)
                 in enumerate(call.rows)]
@@ -318,6 +314,29 @@ class KernelPath:
             out.append(("recv_w", (rows, K) if not call.expand else (rows,), torch.float32,
                         True))
         return out
+
+    def handle_layout(self, call: _Call, num_rows: int) -> BlockLayout:
+        """Where the int32 tensors a dispatch keeps (its handle's, `pos` and `send_counts` of
+        `KernelState`, and the copy of topk_idx if it makes one) lie in its one "block" allocation, cached
+        per call shape and row count. recv_src_metadata comes last, so that every other part
+        lies where it does whatever the row count (`SyncDispatchPlan`'s templates hold the
+        offsets of its capacity)."""
+        key = (call, num_rows)
+        layout = self.handle_layouts.get(key)
+        if layout is None:
+            R, T, K, i32 = self.backend.num_ranks, call.num_tokens, call.num_topk, torch.int32
+            num_local = call.num_experts // R
+            parts = [("pos", (T, R), i32), ("send_counts", (R,), i32),
+                     ("psum_num_recv_tokens_per_scaleup_rank", (R,), i32),
+                     ("num_unaligned_recv_tokens_per_expert", (num_local,), i32),
+                     ("psum_num_recv_tokens_per_expert", (num_local,), i32),
+                     ("dst_buffer_slot_idx", (T, K), i32)]
+            if call.copy_idx:
+                parts.append(("topk_idx", (T, K), call.idx_dtype))
+            parts.append(("recv_src_metadata", (num_rows, K + 2), i32))
+            layout = BlockLayout(parts)
+            remember(self.handle_layouts, key, layout)
+        return layout
 
     def _count_launch(self, call: _Call, t: dict, per_expert: bool) -> tuple:
         b = self.backend
@@ -331,12 +350,12 @@ class KernelPath:
         return dict(K=call.num_topk, BLOCK_K=next_power_of_2(call.num_topk),
                     BLOCK_R=next_power_of_2(self.backend.num_ranks))
 
-    def _launches(self, call: _Call, t: dict, header: torch.Tensor, exchanged: bool,
-                  exact: bool, num_rows, bound) -> list[tuple]:
+    def _launches(self, call: _Call, t: dict, h: TensorBlock, header: torch.Tensor,
+                  exchanged: bool, exact: bool, num_rows, bound) -> list[tuple]:
         """(launcher, variant, fields) of pack, unpack, expert prefix and expand, with the
-        tensors (or stand-ins) of `t`, over exact blocks or padded ones; `num_rows` (compact
-        output rows) and `bound` (`_bound`) are ints, or stand-ins of a prepared call's
-        per-call ints."""
+        tensors (or stand-ins) of `t` and the handle block `h`, over exact blocks or padded
+        ones; `num_rows` (compact output rows) and `bound` (`_bound`) are ints, or stand-ins of
+        a prepared call's per-call ints."""
         b = self.backend
         R, M, K, E = b.num_ranks, call.max_tokens, call.num_topk, call.num_experts
         num_local = E // R
@@ -351,8 +370,9 @@ class KernelPath:
                 max_tokens=M, counts_ptr=t["counts"], send_addr=t["send"].data_ptr(),
                 record_words=call.record_words, p0_addr=t["p0"].data_ptr(), w0=call.w0,
                 p1_addr=t["p1"].data_ptr(), w1=call.w1, off1=call.off1,
-                meta_off=call.meta_off, pos_ptr=t["pos"], slot_ptr=t["slot"],
-                send_counts_ptr=t["send_counts"], idx_copy=t["idx_copy"],
+                meta_off=call.meta_off, pos_ptr=h.arg("pos"),
+                slot_ptr=h.arg("dst_buffer_slot_idx"), send_counts_ptr=h.arg("send_counts"),
+                idx_copy=h.arg("topk_idx") if call.copy_idx else t["idx"],
                 copy_idx=int(call.copy_idx), fields_ptr=header, seq_ptr=b._seq,
                 bump=int(not exchanged), exact=exact)
         o0 = t["out0"] if not call.expand else t["p0"]
@@ -362,7 +382,7 @@ class KernelPath:
                       num_local=num_local, w0=call.w0, w1=call.w1, off1=call.off1,
                       meta_off=call.meta_off, expand=int(call.expand),
                       zero_padding=int(call.zero_padding), has_w=int(call.has_w),
-                      meta_out=t["metadata"], flags_ptr=b._flags)
+                      meta_out=h.arg("recv_src_metadata"), flags_ptr=b._flags)
         compact_w = t["recv_w"] if call.has_w and not call.expand else t["weights"]
         unpack = self._launcher(kernels.unpack_kernel, BLOCK_M=next_power_of_2(K + 2),
                                 BLOCK_E=min(block_e, 1024), BLOCK_F=kernels.BLOCK_F,
@@ -370,19 +390,22 @@ class KernelPath:
             call.idx_variant, dict(
                 layout, rank=b.rank, counts_ptr=t["exact_counts"],
                 counts_stride=t["exact_counts"].shape[1] if exact else 0,
-                rank_psum_out=t["rank_psum"],
+                rank_psum_out=h.arg("psum_num_recv_tokens_per_scaleup_rank"),
                 p0_out=o0.data_ptr(), p1_out=o1.data_ptr(),
                 idx_out=t["recv_idx"] if not call.expand else t["idx"], w_out=compact_w,
                 hist_ptr=t["hist"], check=int(not exchanged), fields_ptr=header,
                 seq_ptr=b._seq)
         prefix = self._launcher(kernels.expert_prefix_kernel, BLOCK_P=block_p), (), dict(
-            hist_ptr=t["hist"], num_local=num_local, expert_counts_out=t["expert_counts"])
+            hist_ptr=t["hist"], num_local=num_local,
+            expert_counts_out=h.arg("num_unaligned_recv_tokens_per_expert"))
         e0 = t["out0"] if call.expand else o0
         e1 = t.get("out1", e0) if call.expand else o1
         expand = self._launcher(kernels.expand_kernel, BLOCK_E=block_e, GROUP=GROUP,
                                 ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), vec, dict(
-            layout, rank_psum=t["rank_psum"], alignment=call.alignment, capacity=bound,
-            expert_counts=t["expert_counts"], expert_psum_out=t["expert_psum"],
+            layout, rank_psum=h.arg("psum_num_recv_tokens_per_scaleup_rank"),
+            alignment=call.alignment, capacity=bound,
+            expert_counts=h.arg("num_unaligned_recv_tokens_per_expert"),
+            expert_psum_out=h.arg("psum_num_recv_tokens_per_expert"),
             p0_out=e0.data_ptr(), p1_out=e1.data_ptr(),
             w_out=t["recv_w"] if call.has_w and call.expand else t["weights"],
             hist_ptr=t["hist"])
@@ -495,9 +518,9 @@ class KernelPath:
         for name, shape, dtype, output in self._allocations(call, sizes):
             t[name] = request.alloc.empty(shape, dtype) if output else \
                 b._workspace.tensor(name, shape, dtype)
-        if not call.copy_idx:
-            t["idx_copy"] = topk_idx
-        pack, *rest = self._launches(call, t, header, bool(exchange),
+        block = TensorBlock(t["block"], self.handle_layout(call, sizes.num_rows),
+                            None if call.copy_idx else {"topk_idx": topk_idx})
+        pack, *rest = self._launches(call, t, block, header, bool(exchange),
                                      sizes.send_splits is not None, sizes.num_rows,
                                      self._bound(call, sizes))
         pack[0](pack[1], None, pack[2])
@@ -506,7 +529,7 @@ class KernelPath:
         for launcher, variant, fields in rest:
             launcher(variant, None, fields)
         self.raise_flags(flags)
-        return self.result(call, sizes, t, request.cached, sizes_read)
+        return self.result(call, sizes, t, block, request.cached, sizes_read)
 
     def _prepare(self, request: DispatchRequest, call: _Call, header: torch.Tensor,
                  ) -> Union[DispatchPlan, SyncDispatchPlan, None]:
@@ -528,7 +551,7 @@ class KernelPath:
         t.update(idx=slots[id(request.topk_idx)], p0=slots[id(request.rows[0])],
                  p1=slots[id(request.rows[-1])],
                  weights=slots[id(request.topk_weights)] if call.has_w else self.no_weights)
-        t.setdefault("idx_copy", t["idx"])
+        block = TensorBlock(t["block"], self.handle_layout(call, sizes.num_rows))
         num_rows, bound = sizes.num_rows, self._bound(call, sizes)
         if call.sync:  # exact blocks: the rows exchanged and two ints per call
             t["exact_counts"].shape = first[1][1]
@@ -538,10 +561,11 @@ class KernelPath:
             t.update(experts=b._seq, exact_counts=b._seq)  # (not read)
         launches = [self._count_launch(call, t, call.sync),
                     *([self._header_launch(call, t, header, True)] if call.sync else []),
-                    *self._launches(call, t, header, call.sync, call.sync, num_rows, bound)]
+                    *self._launches(call, t, block, header, call.sync, call.sync, num_rows,
+                                    bound)]
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
             return None
-        templates = [(launcher, variant, launcher.template(fields, 0))
+        templates = [(launcher, variant, launcher.template(fields, t["block"].slot))
                      for launcher, variant, fields in launches]
         plan = SyncDispatchPlan(self, call, first, [name for name, *_ in allocations],
                                 templates) if call.sync else \
@@ -549,9 +573,9 @@ class KernelPath:
         remember(self.plans, request.key, plan)
         return plan
 
-    def result(self, call: _Call, sizes: _Sizes, t: dict, cached, flags_checked: bool,
-               ) -> DispatchResult:
-        """The dispatch's outputs and handle from its tensors `t`."""
+    def result(self, call: _Call, sizes: _Sizes, t: dict, block: TensorBlock, cached,
+               flags_checked: bool) -> DispatchResult:
+        """The dispatch's outputs and handle from its tensors `t` and handle block."""
         b = self.backend
         outputs = [t[f"out{i}"] for i in range(len(call.rows))]
         recv_idx = None if call.expand else t["recv_idx"]
@@ -559,13 +583,7 @@ class KernelPath:
         if cached is not None:
             return DispatchResult(outputs, recv_idx, recv_w, cached)
         handle = EPHandle(
-            tensors=dict(
-                psum_num_recv_tokens_per_scaleup_rank=t["rank_psum"],
-                psum_num_recv_tokens_per_expert=t["expert_psum"],
-                num_unaligned_recv_tokens_per_expert=t["expert_counts"],
-                recv_src_metadata=t["metadata"],
-                topk_idx=t["idx_copy"],
-                dst_buffer_slot_idx=t["slot"]),
+            tensors=block,
             num_recv_tokens_per_expert_list=sizes.counts_list,
             num_experts=call.num_experts,
             expert_alignment=call.alignment,
@@ -577,9 +595,9 @@ class KernelPath:
             buffer_id=b.config.buffer_id,
             num_tokens=call.num_tokens,
             hidden=b.config.hidden,
-            backend_state=KernelState(t["pos"], t["send_counts"], sizes.send_splits,
-                                      sizes.recv_splits, t["exact_counts"]
+            backend_state=KernelState(sizes.send_splits, sizes.recv_splits, t["exact_counts"]
                                       if sizes.recv_splits is not None else None),
+            storage=block.storage(),
             num_sms=b.config.num_sms or 0,
         )
         return DispatchResult(outputs, recv_idx, recv_w, handle, flags_checked=flags_checked)
@@ -592,7 +610,6 @@ class KernelPath:
         state: KernelState = handle.backend_state
         topk_idx = handle.tensors["topk_idx"]
         x, weights, biases = request.x, request.topk_weights, request.biases
-        callers = _combine_callers(handle, x, weights, biases)
         if b._host_transport:
             counts = handle.tensors["psum_num_recv_tokens_per_scaleup_rank"].diff(
                 prepend=torch.zeros(1, dtype=torch.int32, device=b.device))
@@ -603,11 +620,16 @@ class KernelPath:
                    handle.num_experts, handle.do_expand, weights is not None,
                    tuple(bias.dtype for bias in biases))
             plan = self.combine_plans.get(key) or self._prepare_combine(
-                key, handle, callers, biases, record, header)
+                key, handle, _combine_callers(handle, x, weights, biases), biases, record,
+                header)
             if plan is not None:
-                addresses = [tensor.data_ptr() for tensor in callers.values()]
+                block: TensorBlock = handle.tensors
+                addresses = [x.data_ptr(), *[tensor.data_ptr() for tensor in
+                                             (weights, *biases) if tensor is not None],
+                             *[block.address_of(name) for name in _HANDLE_READS]]
                 if plan.takes(addresses):
                     return plan.run(addresses, request.alloc)
+        callers = _combine_callers(handle, x, weights, biases)
         t = dict(callers, weights=callers.get("weights", self.no_weights), biases=biases)
         for name, shape, dtype, output in self._combine_allocations(handle, record):
             t[name] = request.alloc.empty(shape, dtype) if output else \
@@ -696,19 +718,19 @@ class KernelPath:
         return plan
 
 
-# The handle tensors a combine reads (after x, weights and the biases in `_combine_callers`).
-_HANDLE_READS = ("psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata", "topk_idx")
+# The handle block's tensors a combine reads (after x, weights and the biases in
+# `_combine_callers`); the last two are the dispatch's own, not the handle's fields.
+_HANDLE_READS = ("psum_num_recv_tokens_per_scaleup_rank", "recv_src_metadata", "topk_idx",
+                 "send_counts", "pos")
 
 
 def _combine_callers(handle: EPHandle, x: torch.Tensor, weights: Optional[torch.Tensor],
                      biases: tuple) -> dict[str, torch.Tensor]:
     """A combine's caller tensors by name, in a prepared combine's slot order: x, weights (if
-    given), bias0.., the handle tensors it reads, the kernel state's send_counts and pos."""
-    state: KernelState = handle.backend_state
+    given), bias0.., the handle block's tensors it reads (`_HANDLE_READS`)."""
     callers = {"x": x} if weights is None else {"x": x, "weights": weights}
     callers.update((f"bias{i}", bias) for i, bias in enumerate(biases))
     callers.update((name, handle.tensors[name]) for name in _HANDLE_READS)
-    callers.update(send_counts=state.send_counts, pos=state.pos)
     return callers
 
 

@@ -202,7 +202,8 @@ class ArgTemplate:
                     raise ValueError(f"{arg!r}: offsets are only allowed from slot {base}")
                 picks.append(("part", offsets.setdefault(arg.offset, len(offsets))))
         where = {"address": 0, "part": slots, "constant": slots + len(offsets)}
-        self.base, self.slots = base, slots
+        # (without parts `base` is not read: slot 0 stands in, whatever slots there are)
+        self.base, self.slots = base if offsets else 0, slots
         self.offsets = tuple(offsets)
         self.constants = tuple(constants)
         indices = [where[kind] + index for kind, index in picks]

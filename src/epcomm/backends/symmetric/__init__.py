@@ -14,9 +14,8 @@ One call is one launch (the kernels' docstrings have the steps):
 - combine: one launch, `combine_kernel` (return rows, reduced per token in the expand layout,
   then reduce what came back).
 
-Modules: `heap` (the heap and its layout), `blocks` (a dispatch's handle tensors in one
-allocation), `plans` (prepared calls: a dispatch or a combine of one call shape,
-launched from an argument template), `warmup` (every kernel variant compiled and loaded when
+Modules: `heap` (the heap and its layout), `plans` (prepared calls: a dispatch or a combine
+of one call shape, launched from an argument template), `warmup` (every kernel variant compiled and loaded when
 the backend is made), `backend` (`SymmetricBackend`).
 
 A wait that runs past the buffer's timeout (wall-clock) sets the stage's timeout bit of `errors`

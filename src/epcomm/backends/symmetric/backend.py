@@ -20,7 +20,7 @@ from ...kernels.sync import timeout_units
 from ...layout import expand_capacity
 from ..base import (Backend, BufferConfig, CombineRequest, DispatchRequest, DispatchResult,
                     caller_tensors, remember)
-from .blocks import BlockLayout, TensorBlock
+from ..blocks import BlockLayout, TensorBlock
 from .heap import SymmetricHeap, all_gather_objects, heap_layout, heap_reachable
 from .heap import payload_words as hidden_payload_words
 from .plans import CombinePlan, DispatchPlan, HostCounts, OutputSpec, Scratch

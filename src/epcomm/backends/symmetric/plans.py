@@ -14,7 +14,7 @@ import torch
 from ...handle import EPHandle
 from ...kernels.launcher import ArgTemplate, Launcher, addresses_aligned
 from ..base import DispatchResult, OutputAllocator, empty_makers
-from .blocks import BlockLayout, TensorBlock
+from ..blocks import BlockLayout, TensorBlock
 
 
 @dataclass(frozen=True)

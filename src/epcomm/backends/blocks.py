@@ -8,7 +8,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from ...kernels.launcher import Address
+from ..kernels.launcher import Address
 
 
 def _words(shape: tuple[int, ...], dtype: torch.dtype) -> int:
