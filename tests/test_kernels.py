@@ -363,7 +363,7 @@ def test_tensor_block_views_on_16_byte_boundaries():
 
 def test_arg_template_example():
     """`ArgTemplate`: its docstring example, new addresses per fill, a part's offset only from
-    the base slot, and the address count checked."""
+    the base slot (read only by a template with parts), and the address count checked."""
     from epcomm.kernels.launcher import Address, ArgTemplate
     template = ArgTemplate((7, Address(1), Address(0, offset=16), Address(0)), base=0)
     assert template.fill((1000, 2000)) == (7, 2000, 1016, 1000)
@@ -373,6 +373,9 @@ def test_arg_template_example():
     assert ArgTemplate((block, Address(0), 1, block), base=2).fill((5, 6, 100)) == \
         (132, 5, 1, 132)
     assert ArgTemplate((Address(1),), base=0).fill((5, 6)) == (6,)
+    # without parts the base slot is not read: a launch that takes slots 0-1 of a call whose
+    # block is in slot 4 fills from its own two addresses
+    assert ArgTemplate((Address(1), Address(0)), base=4).fill((5, 6)) == (6, 5)
     kept = torch.zeros(2)  # a tensor among the constants is kept as its address
     assert ArgTemplate((kept, Address(0)), base=0).fill((9,)) == (kept.data_ptr(), 9)
     with pytest.raises(ValueError, match="slot 0"):
