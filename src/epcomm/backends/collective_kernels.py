@@ -51,10 +51,10 @@ _ROWS_PER_PROGRAM = 4  # programs: one per 4 rows of the largest side, up to 2 p
 class KernelState:
     """What combine and a cached dispatch reuse besides the handle's tensors (its block also
     holds `pos`, [T, R] int32, each token's row among those sent to each rank, -1 where not
-    sent, and `send_counts`, [R] int32): splits (exact blocks, synchronizing calls; None for padded blocks):
-    records sent to / received from each rank, host lists, and recv_counts the rows of the
-    count exchange that hold the latter ([R, n] int64 on the device, row r's record count at
-    word _HEADER_WORDS - 1)."""
+    sent, and `send_counts`, [R] int32): splits (exact blocks, synchronizing calls; None for
+    padded blocks): records sent to / received from each rank, host lists, and recv_counts the
+    rows of the count exchange that hold the latter ([R, n] int64 on the device, row r's record
+    count at word _HEADER_WORDS - 1)."""
 
     send_splits: Optional[list[int]]
     recv_splits: Optional[list[int]]
@@ -225,7 +225,8 @@ class SyncDispatchPlan(_Plan):
                       _block_splits(sizes.recv_splits), _block_splits(sizes.send_splits))
         for launcher, variant, template in rest:
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
-        path.issue_on(stream, path.raise_flags, flags)
+        if flags:  # (only then: `issue_on` costs host time)
+            path.issue_on(stream, path.raise_flags, flags)
         return path.result(call, sizes, t, block, None, True)
 
 
@@ -317,10 +318,10 @@ class KernelPath:
 
     def handle_layout(self, call: _Call, num_rows: int) -> BlockLayout:
         """Where the int32 tensors a dispatch keeps (its handle's, `pos` and `send_counts` of
-        `KernelState`, and the copy of topk_idx if it makes one) lie in its one "block" allocation, cached
-        per call shape and row count. recv_src_metadata comes last, so that every other part
-        lies where it does whatever the row count (`SyncDispatchPlan`'s templates hold the
-        offsets of its capacity)."""
+        `KernelState`, and the copy of topk_idx if it makes one) lie in its one "block"
+        allocation, cached per call shape and row count. recv_src_metadata comes last, so that
+        every other part lies where it does whatever the row count (`SyncDispatchPlan`'s
+        templates hold the offsets of its capacity)."""
         key = (call, num_rows)
         layout = self.handle_layouts.get(key)
         if layout is None:

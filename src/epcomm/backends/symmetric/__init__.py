@@ -15,8 +15,8 @@ One call is one launch (the kernels' docstrings have the steps):
   then reduce what came back).
 
 Modules: `heap` (the heap and its layout), `plans` (prepared calls: a dispatch or a combine
-of one call shape, launched from an argument template), `warmup` (every kernel variant compiled and loaded when
-the backend is made), `backend` (`SymmetricBackend`).
+of one call shape, launched from an argument template), `warmup` (every kernel variant
+compiled and loaded when the backend is made), `backend` (`SymmetricBackend`).
 
 A wait that runs past the buffer's timeout (wall-clock) sets the stage's timeout bit of `errors`
 in the device error flag and gives up; a synchronizing call raises `EPTimeoutError` naming the
