@@ -93,6 +93,10 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         runs.append(self.call.expand)
         return real_run(self, *args)
 
+    def issue(self, values, tensors, stream):
+        Block(tensors[self.names.index("block")], self.layout)  # (its parts, before launches)
+        return real_issue(self, values, tensors, stream)
+
     def run_sync(self, *args):
         syncs.append(self.call.expand)
         return real_run_sync(self, *args)
@@ -117,6 +121,7 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
     real_call_key, real_empty_all = buffer_module.call_key, OutputAllocator.empty_all
     real_empty, real_exchange = OutputAllocator.empty, CollectiveBackend._exchange_headers
     real_run = collective_kernels.DispatchPlan.run
+    real_issue = collective_kernels.DispatchPlan.issue
     real_run_sync = collective_kernels.SyncDispatchPlan.run
     real_callers = collective_kernels._combine_callers
     real_run_combine = collective_kernels.CombinePlan.run
@@ -130,6 +135,7 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         patch.setattr(Launcher, "launch_filled", launch_filled)
         patch.setattr(collective_kernels, "INTERPRET", False)
         patch.setattr(collective_kernels.DispatchPlan, "run", run)
+        patch.setattr(collective_kernels.DispatchPlan, "issue", issue)
         patch.setattr(collective_kernels, "_combine_callers", combine_callers)
         patch.setattr(collective_kernels, "TensorBlock", Block)
         patch.setattr(collective_kernels.CombinePlan, "run", run_combine)

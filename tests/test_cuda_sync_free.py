@@ -119,23 +119,38 @@ def test_graph_capture_and_replay(backend: str) -> None:
     assert run_local_ranks(run_graph, 1, backend, SEED, pg_backend="nccl") == [4]
 
 
-def run_prepared_shapes(seed: int) -> int:
-    """Sync-free round trips on one symmetric buffer whose call shapes come back after others
-    (the second call of a shape takes the buffer's prepared call; 64 experts replace the
-    receive scratch the 8-expert plan points at), with stream options that leave the direct
-    path, each checked bitwise against the reference."""
-    buffer = Buffer(dist.group.WORLD, 64, 256, 4, backend="symmetric")
+def run_prepared_shapes(backend: str, seed: int) -> int:
+    """Sync-free round trips on one buffer whose call shapes come back after others (the
+    second call of a shape takes the buffer's prepared call; on the symmetric backend 64
+    experts replace the receive scratch the 8-expert plan points at; the collective backend's
+    prepared calls replay CUDA graphs of their own, on whichever stream the call runs), with
+    stream options that leave the direct path, each checked bitwise against the reference.
+    Then, with the collective backend's graphs at their limit, a new call shape runs its
+    prepared calls without one."""
+    buffer = Buffer(dist.group.WORLD, 64, 256, 4, backend=backend)
     calls = [(8, {}), (8, {}), (8, dict(async_with_compute_stream=True)), (64, {}), (8, {}),
              (8, {}), (8, dict(allocate_on_comm_stream=True, use_previous_event=True)),
              (8, {}), (64, dict(do_expand=True)), (64, {})]
     for count, (experts, options) in enumerate(calls):
         check_round_trip(buffer, Case(num_experts=experts, do_cpu_sync=False, seed=seed + count,
                                       **options))
+    if backend == "collective":
+        from epcomm.backends.graphed import GRAPH_LIMIT
+        path = buffer._backend._kernels
+        graphed = [plan.graph is not None for plan in (*path.plans.values(),
+                                                        *path.combine_plans.values())]
+        assert any(graphed) and path.graphs == sum(graphed) <= GRAPH_LIMIT, graphed
+        path.graphs = GRAPH_LIMIT
+        for count in range(3):
+            check_round_trip(buffer, Case(num_experts=16, do_cpu_sync=False, seed=seed + 100 + count))
+        assert path.graphs == GRAPH_LIMIT and \
+            all(plan.graph is None for plan in path.plans.values() if plan.call.num_experts == 16)
     return len(calls)
 
 
-def test_prepared_dispatch_across_call_shapes() -> None:
-    assert run_local_ranks(run_prepared_shapes, 1, SEED, pg_backend="nccl") == [10]
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_prepared_dispatch_across_call_shapes(backend: str) -> None:
+    assert run_local_ranks(run_prepared_shapes, 1, backend, SEED, pg_backend="nccl") == [10]
 
 
 def run_invalid_ids(backend: str, seed: int) -> str:

@@ -418,3 +418,40 @@ def test_combine_work_items_cover_every_step_once(programs, num_rows, hidden):
     chunk = -(-items // programs)  # program_chunk: equal contiguous chunks
     assert sum(end > begin for begin, end, _, _ in out) == (-(-items // chunk) if items else 0)
     assert tiles * pieces >= min(programs, tiles * steps)
+
+
+def _copy_spans(spans, addresses, inward: bool, vec: int, block: int):
+    """One launch of `copy.copy_spans_kernel` over `spans` ((fixed tensor, words) each) and the
+    per-call tensors `addresses`, `block` words per program."""
+    from epcomm.backends.graphed import span_table
+    from epcomm.kernels import copy
+    table, programs = span_table([words for _, words in spans], block)
+    rows = [(fixed.data_ptr(), words, first) for (fixed, _), (words, first) in zip(spans, table)]
+    Launcher(copy.copy_spans_kernel, programs, dict(
+        INWARD=int(inward), VEC=vec, BLOCK_W=block, BLOCK_N=4, num_warps=1))(
+            (), None, dict(spans_ptr=_t(rows, i64), num_spans=len(spans),
+                           addresses_ptr=_t([t.data_ptr() for t in addresses], i64)))
+
+
+def test_copy_spans_example():
+    """`copy_spans_kernel` and `graphed.span_table`: their docstring examples, then spans of
+    uneven lengths (an empty one among them) copied in and back out, each word once, nothing
+    past a span written."""
+    from epcomm.backends.graphed import span_table
+    assert span_table([5, 0, 2], 4) == ([(5, 0), (0, 2), (2, 2)], 3)
+    fixed_a, fixed_b = torch.zeros(8, dtype=i32, device=DEV), torch.zeros(4, dtype=i32, device=DEV)
+    a, b = _t([1, 2, 3, 4, 5, 6, 7, 8], i32), _t([9, 10, 11, 12], i32)
+    _copy_spans([(fixed_a, 5), (fixed_b, 2)], [a, b], inward=True, vec=1, block=4)
+    assert fixed_a.tolist() == [1, 2, 3, 4, 5, 0, 0, 0] and fixed_b.tolist() == [9, 10, 0, 0]
+
+    gen = torch.Generator().manual_seed(5)
+    lengths = [4 * 37, 0, 4 * 5, 4 * 64]
+    fixed = [torch.zeros(n + 4, dtype=i32, device=DEV) for n in lengths]
+    inputs = [torch.randint(-2**31, 2**31 - 1, (n + 4,), dtype=i32, generator=gen).to(DEV)
+              for n in lengths]
+    _copy_spans(list(zip(fixed, lengths)), inputs, inward=True, vec=4, block=32)
+    outputs = [torch.full((n + 4,), 7, dtype=i32, device=DEV) for n in lengths]
+    _copy_spans(list(zip(fixed, lengths)), outputs, inward=False, vec=4, block=32)
+    for n, src, kept, out in zip(lengths, inputs, fixed, outputs):
+        assert torch.equal(kept[:n], src[:n]) and torch.equal(out[:n], src[:n]), n
+        assert kept[n:].eq(0).all() and out[n:].eq(7).all(), n

@@ -15,6 +15,7 @@ launches.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
 
@@ -30,6 +31,7 @@ from .blocks import BlockLayout, TensorBlock
 from .base import (CombineRequest, DispatchRequest, DispatchResult, caller_tensors,
                    empty_makers, remember)
 from .collective import _HEADER_WORDS
+from .graphed import GRAPH_LIMIT, GraphedCall, graphable
 
 if TYPE_CHECKING:
     from .collective import CollectiveBackend, _Record
@@ -152,34 +154,92 @@ class _Plan:
             launcher.kept(variant) for launcher, variant, _ in self.launches)
 
 
-class DispatchPlan(_Plan):
+class _GraphedPlan(_Plan):
+    """A prepared call over padded blocks (its sizes fixed by its shape), replayed as a CUDA
+    graph (`graphed.GraphedCall`, made on the first call that may take one) when its tensors
+    are CUDA tensors, its inputs and outputs few bytes (`graphed.graphable`), the path keeps
+    fewer than `GRAPH_LIMIT` graphs and the stream is not being captured; else issued launch
+    by launch (`issue`).
+    allocations: (name, shape, dtype, output) of each tensor it allocates; inputs: the bytes of
+    each caller tensor, in slot order."""
+
+    def __init__(self, path: "KernelPath", allocations: Sequence[tuple[str, tuple, torch.dtype,
+                                                                       bool]],
+                 launches: list, inputs: Sequence[int]) -> None:
+        super().__init__(path, [(shape, dtype) for _, shape, dtype, _ in allocations], launches)
+        self.names = [name for name, *_ in allocations]
+        self.allocations = [(shape, dtype, output) for _, shape, dtype, output in allocations]
+        self.inputs = inputs
+        outputs = [(name, shape, dtype) for name, shape, dtype, output in allocations if output]
+        self.output_names = [name for name, _, _ in outputs]
+        self.output_shapes = [(shape, dtype) for _, shape, dtype in outputs]
+        self._output_makers = empty_makers(self.output_shapes, path.backend.device)
+        self.graph: Optional[GraphedCall] = None
+        self.graphable = path.backend.device.type == "cuda" and graphable(
+            [*inputs, *[math.prod(shape) * dtype.itemsize for shape, dtype in self.output_shapes]])
+
+    def issue(self, values: Sequence[int], tensors: Sequence[torch.Tensor],
+              stream: Optional["torch.cuda.Stream"]) -> None:
+        """Queue the call's launches and all-to-all on `stream` (None: the current one):
+        `values` the address of every slot, `tensors` the allocations."""
+        raise NotImplementedError
+
+    def tensors(self, addresses: Sequence[int], alloc, stream: Optional["torch.cuda.Stream"],
+                ) -> dict[str, torch.Tensor]:
+        """Run the call on the caller tensors at `addresses`: its allocations by name (the
+        outputs alone after a graph's replay)."""
+        self.path.backend._check_usable()
+        graph = self._graph(stream)
+        if graph is not None:
+            outputs = alloc.empty_all(self.output_shapes, self._output_makers)
+            self.path.issue_on(stream, graph.replay, addresses, outputs)
+            return dict(zip(self.output_names, outputs))
+        tensors = alloc.empty_all(self.shapes, self._makers)
+        # (each template takes the slots up to its last one)
+        self.issue([*addresses, *[tensor.data_ptr() for tensor in tensors]], tensors, stream)
+        return dict(zip(self.names, tensors))
+
+    def _graph(self, stream: Optional["torch.cuda.Stream"]) -> Optional[GraphedCall]:
+        """The graph this call replays, None when it takes none."""
+        if not self.graphable or torch._C._cuda_isCurrentStreamCapturing():  # (the wrapper: 1 us)
+            return None
+        if self.graph is None:
+            path = self.path
+            if path.graphs >= GRAPH_LIMIT:
+                self.graphable = False
+                return None
+            self.graph = path.issue_on(stream, GraphedCall, path.backend.device, self.inputs,
+                                       self.allocations,
+                                       lambda values, tensors: self.issue(values, tensors, None))
+            path.graphs += 1
+        return self.graph
+
+
+class DispatchPlan(_GraphedPlan):
     """A sync-free dispatch over NCCL of one call shape (`base.PreparedDispatch`). Template
-    slots: the caller's tensors (`base.caller_tensors`), then the allocations in `names`'
-    order."""
+    slots: the caller's tensors (`base.caller_tensors`), then the allocations in order."""
 
     def __init__(self, path: "KernelPath", call: _Call, sizes: _Sizes,
                  allocations: Sequence[tuple[str, tuple, torch.dtype, bool]], launches: list,
-                 ) -> None:
-        super().__init__(path, [(shape, dtype) for _, shape, dtype, _ in allocations],
-                         launches)  # count, pack, the rest
+                 inputs: Sequence[int]) -> None:
+        super().__init__(path, allocations, launches, inputs)  # count, pack, the rest
         self.call, self.sizes = call, sizes
-        self.names = [name for name, *_ in allocations]
         self.layout = path.handle_layout(call, sizes.num_rows)
+        self._recv, self._send = self.names.index("recv"), self.names.index("send")
+
+    def issue(self, values: Sequence[int], tensors: Sequence[torch.Tensor],
+              stream: Optional["torch.cuda.Stream"]) -> None:
+        for at, (launcher, variant, template) in enumerate(self.launches):
+            if at == 2:  # after count and pack
+                self.path.issue_on(stream, self.path.backend._all_to_all, "dispatch",
+                                   tensors[self._recv], tensors[self._send])
+            launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
-        self.path.backend._check_usable()
-        tensors = alloc.empty_all(self.shapes, self._makers)
-        # (each template takes the slots up to its last one)
-        values = [*addresses, *[tensor.data_ptr() for tensor in tensors]]
-        t = dict(zip(self.names, tensors))
+        t = self.tensors(addresses, alloc, stream)
         block = TensorBlock(t["block"], self.layout,
                             None if self.call.copy_idx else {"topk_idx": topk_idx})
-        for at, (launcher, variant, template) in enumerate(self.launches):
-            if at == 2:  # after count and pack
-                self.path.issue_on(stream, self.path.backend._all_to_all, "dispatch", t["recv"],
-                                   t["send"])
-            launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         return self.path.result(self.call, self.sizes, t, block, None, False)
 
 
@@ -246,6 +306,7 @@ class KernelPath:
         self.plans: dict = {}
         self.combine_plans: dict = {}
         self.handle_layouts: dict = {}
+        self.graphs = 0  # graphs made by the plans (`GRAPH_LIMIT`)
         # slots per expert of a synchronizing call ([E] int64), zeroed again by header_kernel
         self.experts = torch.zeros(0, dtype=torch.int64, device=config.device)
         # stands in for the weights of a call without them (the kernels do not read it)
@@ -264,8 +325,8 @@ class KernelPath:
     def issue_on(self, stream: Optional["torch.cuda.Stream"], fn, *args):
         """`fn(*args)` (a transport call of the backend, which issues on the current stream)
         with `stream` current (None: the current stream)."""
-        if stream is None or stream.cuda_stream == \
-                torch.cuda.current_stream(self.backend.device).cuda_stream:
+        if stream is None or \
+                stream.cuda_stream == torch._C._cuda_getCurrentRawStream(stream.device_index):
             return fn(*args)
         with torch.cuda.stream(stream):
             return fn(*args)
@@ -570,7 +631,8 @@ class KernelPath:
                      for launcher, variant, fields in launches]
         plan = SyncDispatchPlan(self, call, first, [name for name, *_ in allocations],
                                 templates) if call.sync else \
-            DispatchPlan(self, call, sizes, first + allocations, templates)
+            DispatchPlan(self, call, sizes, first + allocations, templates,
+                         [tensor.numel() * tensor.element_size() for tensor in callers])
         remember(self.plans, request.key, plan)
         return plan
 
@@ -712,9 +774,10 @@ class KernelPath:
         launches = self._combine_launches(handle, has_w, biases, record, header, t)
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
             return None
-        plan = CombinePlan(self, [(shape, dtype) for _, shape, dtype, _ in allocations],
-                           [(launcher, variant, launcher.template(fields, 0))
-                            for launcher, variant, fields in launches], has_w)
+        plan = CombinePlan(self, allocations, [(launcher, variant, launcher.template(fields, 0))
+                                               for launcher, variant, fields in launches],
+                           [tensor.numel() * tensor.element_size()
+                            for tensor in callers.values()])
         remember(self.combine_plans, key, plan)
         return plan
 
@@ -735,22 +798,20 @@ def _combine_callers(handle: EPHandle, x: torch.Tensor, weights: Optional[torch.
     return callers
 
 
-class CombinePlan(_Plan):
+class CombinePlan(_GraphedPlan):
     """A combine over NCCL of one call shape after a sync-free dispatch: the pack and reduce
     launches kept as templates (slots: the caller tensors of `_combine_callers`, then the
-    allocations: send and receive rows, the outputs)."""
+    allocations of `KernelPath._combine_allocations`: send and receive rows, the outputs)."""
 
-    def __init__(self, path: KernelPath, shapes: Sequence[tuple], launches: list,
-                 has_w: bool) -> None:
-        super().__init__(path, shapes, launches)  # pack, reduce
-        self.has_w = has_w
+    def issue(self, values: Sequence[int], tensors: Sequence[torch.Tensor],
+              stream: Optional["torch.cuda.Stream"]) -> None:
+        (pack, pack_variant, pack_args), (reduce, reduce_variant, reduce_args) = self.launches
+        pack.launch_filled(pack_variant, stream, pack_args.fill(values[:pack_args.slots]))
+        self.path.issue_on(stream, self.path.backend._all_to_all, "combine", tensors[1],
+                           tensors[0])
+        reduce.launch_filled(reduce_variant, stream,
+                             reduce_args.fill(values[:reduce_args.slots]))
 
     def run(self, addresses: Sequence[int], alloc) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        send, returned, *outputs = alloc.empty_all(self.shapes, self._makers)
-        values = [*addresses, send.data_ptr(), returned.data_ptr(),
-                  *[tensor.data_ptr() for tensor in outputs]]
-        (pack, pack_variant, pack_args), (reduce, reduce_variant, reduce_args) = self.launches
-        pack.launch_filled(pack_variant, None, pack_args.fill(values[:pack_args.slots]))
-        self.path.backend._all_to_all("combine", returned, send)
-        reduce.launch_filled(reduce_variant, None, reduce_args.fill(values[:reduce_args.slots]))
-        return outputs[0], outputs[1] if self.has_w else None
+        t = self.tensors(addresses, alloc, None)
+        return t["out"], t.get("w_out")

@@ -11,6 +11,8 @@
 - `collective`: the collective backend's passes around its all-to-all (count, pack, unpack,
   expand; the combine's pack and reduce).
 - `low_latency`: V1's low-latency mode (dispatch send and receive, combine send and reduce).
+- `copy`: copies between fixed buffers and per-call tensors listed in a table on the device (a
+  replayed CUDA graph's inputs and outputs).
 - `common`: vector-access, copy and prefix-sum helpers; `launcher`: how the host launches them.
 
 Comment lines `# phase-mark: <name>` in the kernels are read by the phase tracer
