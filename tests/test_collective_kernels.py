@@ -147,6 +147,10 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
                                 num_bias=2 * repeat, routing="skewed",
                                 seed=seed + 20 * sync + 10 * expand + repeat)
                     check_round_trip(buffer, case)
+    path = backend._kernels
+    assert path.plans and path.combine_plans
+    buffer.destroy()  # drops the prepared calls (and on a GPU the graphs they keep)
+    assert backend._kernels is None and not path.plans and not path.combine_plans
     return len(runs), len(syncs), len(combines)
 
 

@@ -434,11 +434,13 @@ def _copy_spans(spans, addresses, inward: bool, vec: int, block: int):
 
 
 def test_copy_spans_example():
-    """`copy_spans_kernel` and `graphed.span_table`: their docstring examples, then spans of
-    uneven lengths (an empty one among them) copied in and back out, each word once, nothing
-    past a span written."""
-    from epcomm.backends.graphed import span_table
+    """`copy_spans_kernel` and `graphed.span_table`: their docstring examples (and which calls
+    `graphed.graphable` takes), then spans of uneven lengths (an empty one among them) copied
+    in and back out, each word once, nothing past a span written."""
+    from epcomm.backends.graphed import GRAPH_BYTES, graphable, span_table
     assert span_table([5, 0, 2], 4) == ([(5, 0), (0, 2), (2, 2)], 3)
+    assert graphable([GRAPH_BYTES - 16, 16]) and not graphable([GRAPH_BYTES, 16])
+    assert not graphable([1024, 6])  # (copies move whole int32 words)
     fixed_a, fixed_b = torch.zeros(8, dtype=i32, device=DEV), torch.zeros(4, dtype=i32, device=DEV)
     a, b = _t([1, 2, 3, 4, 5, 6, 7, 8], i32), _t([9, 10, 11, 12], i32)
     _copy_spans([(fixed_a, 5), (fixed_b, 2)], [a, b], inward=True, vec=1, block=4)

@@ -334,6 +334,17 @@ class CollectiveBackend(Backend):
     def error_flags(self) -> torch.Tensor:
         return self._flags
 
+    def destroy(self) -> None:
+        """Drop the kernel path's prepared calls and the CUDA graphs they keep (their fixed
+        buffers), once the device has run every call queued so far (a replay on another stream
+        than the one its buffers were allocated on may still read them)."""
+        if self._kernels is not None:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self._kernels.plans.clear()
+            self._kernels.combine_plans.clear()
+            self._kernels = None
+
     def prepared_dispatch(self, key):
         return None if self._kernels is None else self._kernels.prepared(key)
 
