@@ -139,6 +139,13 @@ def _block_splits(splits: Optional[list[int]]) -> Optional[list[int]]:
     return None if splits is None else [n + 1 for n in splits]
 
 
+def _handle_block(call: _Call, layout: BlockLayout, block: torch.Tensor,
+                  topk_idx: torch.Tensor) -> TensorBlock:
+    """A dispatch's handle tensors: the parts of `layout` in its `block` allocation, and the
+    caller's `topk_idx` when the call keeps no copy of it."""
+    return TensorBlock(block, layout, None if call.copy_idx else {"topk_idx": topk_idx})
+
+
 class _Plan:
     """What every prepared call of the kernel path has: the (shape, dtype) of the tensors it
     allocates first (with bound makers), and `launches`, (launcher, variant, ArgTemplate) each,
@@ -169,7 +176,7 @@ class _GraphedPlan(_Plan):
         super().__init__(path, [(shape, dtype) for _, shape, dtype, _ in allocations], launches)
         self.names = [name for name, *_ in allocations]
         self.allocations = [(shape, dtype, output) for _, shape, dtype, output in allocations]
-        self.inputs = inputs
+        self.input_bytes = inputs
         outputs = [(name, shape, dtype) for name, shape, dtype, output in allocations if output]
         self.output_names = [name for name, _, _ in outputs]
         self.output_shapes = [(shape, dtype) for _, shape, dtype in outputs]
@@ -208,7 +215,7 @@ class _GraphedPlan(_Plan):
             if path.graphs >= GRAPH_LIMIT:
                 self.graphable = False
                 return None
-            self.graph = path.issue_on(stream, GraphedCall, path.backend.device, self.inputs,
+            self.graph = path.issue_on(stream, GraphedCall, path.backend.device, self.input_bytes,
                                        self.allocations,
                                        lambda values, tensors: self.issue(values, tensors, None))
             path.graphs += 1
@@ -238,8 +245,7 @@ class DispatchPlan(_GraphedPlan):
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
         t = self.tensors(addresses, alloc, stream)
-        block = TensorBlock(t["block"], self.layout,
-                            None if self.call.copy_idx else {"topk_idx": topk_idx})
+        block = _handle_block(self.call, self.layout, t["block"], topk_idx)
         return self.path.result(self.call, self.sizes, t, block, None, False)
 
 
@@ -277,8 +283,8 @@ class SyncDispatchPlan(_Plan):
         values += [received.data_ptr(), *[tensor.data_ptr() for tensor in tensors],
                    sizes.num_rows, path._bound(call, sizes)]
         t = dict(zip(self.names, tensors), exact_counts=received)
-        block = TensorBlock(t["block"], path.handle_layout(call, sizes.num_rows),
-                            None if call.copy_idx else {"topk_idx": topk_idx})
+        block = _handle_block(call, path.handle_layout(call, sizes.num_rows), t["block"],
+                              topk_idx)
         launcher, variant, template = pack
         launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         path.issue_on(stream, b._all_to_all, "dispatch", t["recv"], t["send"],
@@ -580,8 +586,8 @@ class KernelPath:
         for name, shape, dtype, output in self._allocations(call, sizes):
             t[name] = request.alloc.empty(shape, dtype) if output else \
                 b._workspace.tensor(name, shape, dtype)
-        block = TensorBlock(t["block"], self.handle_layout(call, sizes.num_rows),
-                            None if call.copy_idx else {"topk_idx": topk_idx})
+        block = _handle_block(call, self.handle_layout(call, sizes.num_rows), t["block"],
+                              topk_idx)
         pack, *rest = self._launches(call, t, block, header, bool(exchange),
                                      sizes.send_splits is not None, sizes.num_rows,
                                      self._bound(call, sizes))
