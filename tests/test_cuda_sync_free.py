@@ -142,7 +142,8 @@ def run_prepared_shapes(backend: str, seed: int) -> int:
         assert any(graphed) and path.graphs == sum(graphed) <= GRAPH_LIMIT, graphed
         path.graphs = GRAPH_LIMIT
         for count in range(3):
-            check_round_trip(buffer, Case(num_experts=16, do_cpu_sync=False, seed=seed + 100 + count))
+            check_round_trip(buffer, Case(num_experts=16, do_cpu_sync=False,
+                                          seed=seed + 100 + count))
         assert path.graphs == GRAPH_LIMIT and \
             all(plan.graph is None for plan in path.plans.values() if plan.call.num_experts == 16)
     return len(calls)
