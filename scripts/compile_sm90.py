@@ -60,7 +60,7 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
     collective.expert_prefix_kernel: dict(hist_ptr="i32", expert_counts_out="i32"),
     collective.expand_kernel: dict(
         rank_psum="i32", expert_counts="i32", expert_psum_out="i32", w_out="fp32",
-        meta_out="i32", hist_ptr="i32", flags_ptr="i32"),
+        meta_out="i32", hist_ptr="i32", flags_ptr="i32", counts_host="i32"),
     collective.combine_pack_kernel: dict(
         rank_psum="i32", metadata="i32", w_ptr="fp32", fields_ptr="i64", seq_ptr="i64"),
     collective.combine_reduce_kernel: dict(

@@ -4,7 +4,8 @@
 
 1. For each token count, layout and sync mode (hidden 7168, top-8, 256 experts, bf16): one
    dispatch + combine checked bitwise against the reference, twice on fresh data (the second
-   sync-free dispatch is a prepared call); the sync-free dispatch, cached
+   dispatch is a prepared call; synchronizing ones also over exact blocks, as calls with too
+   much padding take them: `collective_kernels.padded_sync`); the sync-free dispatch, cached
    dispatch and combine run again under `torch.cuda.set_sync_debug_mode("error")`; then
    dispatch + combine are captured in a CUDA graph and replayed on new routing, checked again;
    a synchronizing dispatch with an expert id of E raises `EPInputError`, and the next call is
@@ -58,20 +59,57 @@ def _check(buffer, x, idx, w, expand: bool, sync: bool, label: str) -> None:
     assert_equal(f"{label}: combined_x", combined, want)
 
 
+def _time_row(buffer, x, idx, w, expand: bool, sync: bool, label: str, iters: int) -> str:
+    """The table row of one call: dispatch and combine beside their floors."""
+    tokens = x.shape[0]
+    out = buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync)
+    handle = out[3]
+    y = torch.ones(handle.num_output_rows, H, dtype=torch.bfloat16, device="cuda")
+    disp = _time_us(lambda: buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand,
+                                            do_cpu_sync=sync), iters)
+    comb = _time_us(lambda: buffer.combine(y, handle), iters)
+    sent = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) * 2 * H
+    written = (int(handle.num_unaligned_recv_tokens_per_expert.sum()) if expand
+               else int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])) * 2 * H
+    floors = []
+    for a2a_bytes, out_bytes in ((sent, written), (sent, tokens * 2 * H)):
+        src = torch.empty(a2a_bytes, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        a2a = _time_us(lambda: dist.all_to_all_single(dst, src), iters)
+        copy_src = torch.empty(out_bytes, dtype=torch.uint8, device="cuda")
+        floors.append(a2a + _time_us(copy_src.clone, iters))
+    return f"| {label} | {disp:.1f} | {floors[0]:.1f} | {disp / floors[0]:.2f} | " \
+        f"{comb:.1f} | {floors[1]:.1f} | {comb / floors[1]:.2f} |"
+
+
 def run(tokens_list: list[int], iters: int) -> list[str]:
+    from epcomm.backends import collective_kernels
     lines = []
     for tokens in tokens_list:
-        buffer = Buffer(dist.group.WORLD, tokens, H, K, backend="collective")
         x, idx, w = _inputs(tokens, tokens)
+        # Synchronizing calls over exact blocks (a count exchange first), as a call whose
+        # padding would be too large takes them (several ranks, large blocks), on a buffer of
+        # their own (a buffer keeps one prepared call per call shape).
+        threshold = collective_kernels.PADDED_SYNC_BYTES
+        collective_kernels.PADDED_SYNC_BYTES = -1
+        try:
+            buffer = Buffer(dist.group.WORLD, tokens, H, K, backend="collective")
+            for expand in (False, True):
+                label = f"{tokens} {'expand' if expand else 'compact'} sync, exact blocks"
+                _check(buffer, x, idx, w, expand, True, label)
+                _check(buffer, *_inputs(tokens, tokens + 1), expand, True, label + " again")
+                lines.append(_time_row(buffer, x, idx, w, expand, True, label, iters))
+            buffer.destroy()
+        finally:
+            collective_kernels.PADDED_SYNC_BYTES = threshold
+        buffer = Buffer(dist.group.WORLD, tokens, H, K, backend="collective")
         for expand in (False, True):
             for sync in (True, False):
                 label = f"{tokens} {'expand' if expand else 'compact'} " \
                         f"{'sync' if sync else 'sync-free'}"
                 _check(buffer, x, idx, w, expand, sync, label)
-                # the same call shape again on new data: a prepared call when sync-free
+                # the same call shape again on new data: a prepared call
                 _check(buffer, *_inputs(tokens, tokens + 1), expand, sync, label + " again")
-                out = buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand,
-                                      do_cpu_sync=sync)
                 if not sync:  # no host sync anywhere on the sync-free path
                     torch.cuda.synchronize()
                     torch.cuda.set_sync_debug_mode("error")
@@ -82,24 +120,7 @@ def run(tokens_list: list[int], iters: int) -> list[str]:
                         buffer.combine(again[0], again[3], topk_weights=again[2])
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
-                handle = out[3]
-                y = torch.ones(handle.num_output_rows, H, dtype=torch.bfloat16, device="cuda")
-                disp = _time_us(lambda: buffer.dispatch(x, idx, w, num_experts=E,
-                                                        do_expand=expand, do_cpu_sync=sync),
-                                iters)
-                comb = _time_us(lambda: buffer.combine(y, handle), iters)
-                sent = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) * 2 * H
-                written = (int(handle.num_unaligned_recv_tokens_per_expert.sum()) if expand
-                           else int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])) * 2 * H
-                floors = []
-                for a2a_bytes, out_bytes in ((sent, written), (sent, tokens * 2 * H)):
-                    src = torch.empty(a2a_bytes, dtype=torch.uint8, device="cuda")
-                    dst = torch.empty_like(src)
-                    a2a = _time_us(lambda: dist.all_to_all_single(dst, src), iters)
-                    copy_src = torch.empty(out_bytes, dtype=torch.uint8, device="cuda")
-                    floors.append(a2a + _time_us(copy_src.clone, iters))
-                lines.append(f"| {label} | {disp:.1f} | {floors[0]:.1f} | {disp / floors[0]:.2f}"
-                             f" | {comb:.1f} | {floors[1]:.1f} | {comb / floors[1]:.2f} |")
+                lines.append(_time_row(buffer, x, idx, w, expand, sync, label, iters))
         # CUDA graph of the sync-free dispatch + combine, replayed on new routing.
         static_x, static_idx, static_w = _inputs(tokens, 1)
 

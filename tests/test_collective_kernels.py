@@ -21,9 +21,12 @@ from epcomm.testing.verify import Case, check_round_trip  # noqa: E402
 SEED = int(os.environ.get("EPCOMM_TEST_SEED", time.time_ns() % 1_000_000))
 
 
-def run_kernel_path(seed: int) -> int:
+def run_kernel_path(seed: int, host_transport: bool) -> int:
+    """Every layout and sync mode (`host_transport` False: as over NCCL, where a synchronizing
+    dispatch of this size moves padded blocks and reads its counts once)."""
     buffer = Buffer(dist.group.WORLD, 8, 64, 4, backend="collective")
     buffer._backend = CollectiveBackend(dist.group.WORLD, buffer.config, kernels=True)
+    buffer._backend._host_transport = host_transport
     checked = 0
     for expand in (False, True):
         for sync in (True, False):
@@ -35,18 +38,19 @@ def run_kernel_path(seed: int) -> int:
     return checked
 
 
-@pytest.mark.parametrize("num_ranks", [1, 3])
-def test_kernel_path(num_ranks: int) -> None:
-    assert run_local_ranks(run_kernel_path, num_ranks, SEED) == [4] * num_ranks
+@pytest.mark.parametrize("num_ranks,host_transport", [(1, True), (3, True), (2, False)])
+def test_kernel_path(num_ranks: int, host_transport: bool) -> None:
+    assert run_local_ranks(run_kernel_path, num_ranks, SEED, host_transport) == [4] * num_ranks
 
 
-def run_prepared_calls(seed: int) -> tuple[int, int, int]:
+def run_prepared_calls(seed: int, padded: bool) -> tuple[int, int, int]:
     """Dispatches of one call shape after the first, sync-free and synchronizing, and the
-    combines of sync-free ones are prepared calls (`collective_kernels.DispatchPlan`,
+    combines of those over padded blocks are prepared calls (`collective_kernels.DispatchPlan`,
     `SyncDispatchPlan` and `CombinePlan`: templates filled with the call's addresses and
-    sizes). Run here under the interpreter: each filled launch has its int addresses mapped
-    back to the tensors they belong to (the interpreter takes tensors for pointer
-    parameters), the parts of a handle block to views of it."""
+    sizes). A synchronizing dispatch takes padded blocks where `padded_sync` says so (here
+    `padded`: every one, else none). Run here under the interpreter: each filled launch has its
+    int addresses mapped back to the tensors they belong to (the interpreter takes tensors for
+    pointer parameters), the parts of a handle block to views of it."""
     from epcomm import buffer as buffer_module
     from epcomm.backends import collective_kernels
     from epcomm.backends.base import OutputAllocator
@@ -82,8 +86,10 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         return received, table
 
     def launch_filled(self, variant, stream, args):
-        remember(backend._flags, backend._seq, backend._kernels.no_weights,
-                 backend._kernels.experts, *backend._headers.values())
+        path = backend._kernels
+        remember(backend._flags, backend._seq, path.no_weights, *backend._headers.values(),
+                 *[host.words for host in backend._host_counts.values()],
+                 *([path.experts] if path.experts.numel() else []))  # (empty: address 0)
         ints = self.fn.kwargs["do_not_specialize"]
         values = [live[value] if name not in ints else value
                   for name, value in zip(self.params, args)]
@@ -114,9 +120,10 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         remember(*tensors.values())
         return tensors
 
-    def run_combine(self, *args):
+    def run_combine(self, addresses, alloc, x, weights):
         combines.append(len(self.shapes))
-        return real_run_combine(self, *args)
+        remember(x, weights)  # (an empty one's address may be another empty tensor's)
+        return real_run_combine(self, addresses, alloc, x, weights)
 
     real_call_key, real_empty_all = buffer_module.call_key, OutputAllocator.empty_all
     real_empty, real_exchange = OutputAllocator.empty, CollectiveBackend._exchange_headers
@@ -139,6 +146,8 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
         patch.setattr(collective_kernels, "_combine_callers", combine_callers)
         patch.setattr(collective_kernels, "TensorBlock", Block)
         patch.setattr(collective_kernels.CombinePlan, "run", run_combine)
+        if not padded:
+            patch.setattr(collective_kernels, "PADDED_SYNC_BYTES", -1)
         for sync in (False, True):
             for expand in (False, True):
                 for repeat in range(2):
@@ -154,23 +163,28 @@ def run_prepared_calls(seed: int) -> tuple[int, int, int]:
     return len(runs), len(syncs), len(combines)
 
 
-def test_prepared_calls_bitwise() -> None:
-    # every dispatch runs a plan, and every combine of a sync-free dispatch (`kept` is
-    # patched: nothing to compile first), the first dispatch of each shape made by the
+@pytest.mark.parametrize("padded", [True, False])
+def test_prepared_calls_bitwise(padded: bool) -> None:
+    # every dispatch runs a plan, and every combine after a dispatch over padded blocks (`kept`
+    # is patched: nothing to compile first), the first dispatch of each shape made by the
     # backend, the later ones taken straight from the buffer; two ranks: exact blocks of
-    # different sizes
-    assert run_local_ranks(run_prepared_calls, 2, SEED) == [(4, 4, 4)] * 2
+    # different sizes, or the synchronizing calls' exact views of padded ones
+    counts = (8, 0, 8) if padded else (4, 4, 4)
+    assert run_local_ranks(run_prepared_calls, 2, SEED, padded) == [counts] * 2
 
 
-def run_invalid_id_synchronizing(seed: int) -> str:
+def run_invalid_id_synchronizing(seed: int, host_transport: bool) -> str:
     """A synchronizing dispatch with an expert id of E on rank 0, as on a GPU (no host check of
-    the ids): the count exchange carries rank 0's error flag, every rank completes the call,
-    rank 0 raises `EPInputError` from its one host read, and the next calls are correct."""
+    the ids): rank 0's error flag reaches its one host read (carried by the count exchange, or
+    over padded blocks, as over NCCL here with `host_transport` False, left with the counts),
+    every rank completes the call, rank 0 raises `EPInputError` from that read, and the next
+    calls are correct."""
     from epcomm import checks
     from epcomm.errors import EPInputError
 
     buffer = Buffer(dist.group.WORLD, 8, 64, 4, backend="collective")
     buffer._backend = CollectiveBackend(dist.group.WORLD, buffer.config, kernels=True)
+    buffer._backend._host_transport = host_transport
     E = 4 * buffer.num_ranks
     gen = torch.Generator().manual_seed(seed + buffer.rank)
     idx = torch.rand(6, E, generator=gen).topk(4, dim=1).indices
@@ -190,8 +204,10 @@ def run_invalid_id_synchronizing(seed: int) -> str:
     return outcome
 
 
-def test_invalid_id_raises_from_the_one_host_read() -> None:
-    assert run_local_ranks(run_invalid_id_synchronizing, 2, SEED) == ["raised", "returned"]
+@pytest.mark.parametrize("host_transport", [True, False])
+def test_invalid_id_raises_from_the_one_host_read(host_transport: bool) -> None:
+    assert run_local_ranks(run_invalid_id_synchronizing, 2, SEED, host_transport) == \
+        ["raised", "returned"]
 
 
 def test_header_kernel_example() -> None:
@@ -212,3 +228,10 @@ def test_header_kernel_example() -> None:
         rows_ptr=rows, row_words=words, extra=1))
     assert rows.tolist() == [[5, *fields.tolist(), 3, 0, 3, 2, 1]]
     assert experts.tolist() == [0, 0] and seq.item() == 5
+
+
+def test_padded_sync_example() -> None:
+    """`collective_kernels.padded_sync`'s docstring example."""
+    from epcomm.backends.collective_kernels import padded_sync
+    assert padded_sync(1, 4096, 8, 14_400) and padded_sync(8, 128, 8, 14_400)
+    assert not padded_sync(8, 4096, 8, 14_400)

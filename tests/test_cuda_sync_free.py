@@ -120,38 +120,43 @@ def test_graph_capture_and_replay(backend: str) -> None:
 
 
 def run_prepared_shapes(backend: str, seed: int) -> int:
-    """Sync-free round trips on one buffer whose call shapes come back after others (the
-    second call of a shape takes the buffer's prepared call; on the symmetric backend 64
-    experts replace the receive scratch the 8-expert plan points at; the collective backend's
-    prepared calls replay CUDA graphs of their own, on whichever stream the call runs), with
-    stream options that leave the direct path, each checked bitwise against the reference.
-    Then, with the collective backend's graphs at their limit, a new call shape runs its
-    prepared calls without one."""
+    """Round trips on one buffer whose call shapes come back after others (the second call of
+    a shape takes the buffer's prepared call; on the symmetric backend 64 experts replace the
+    receive scratch the 8-expert plan points at; the collective backend's prepared calls
+    replay CUDA graphs of their own, on whichever stream the call runs, and its synchronizing
+    ones, over padded blocks at this size, too: a combine of their handle gets exact-size rows
+    that change per call), with stream options that leave the direct path, each checked
+    bitwise against the reference. Then, with the collective backend's graphs at their limit,
+    a new call shape runs its prepared calls without one."""
     buffer = Buffer(dist.group.WORLD, 64, 256, 4, backend=backend)
-    calls = [(8, {}), (8, {}), (8, dict(async_with_compute_stream=True)), (64, {}), (8, {}),
-             (8, {}), (8, dict(allocate_on_comm_stream=True, use_previous_event=True)),
-             (8, {}), (64, dict(do_expand=True)), (64, {})]
+    sync, expand_sync = dict(do_cpu_sync=True), dict(do_cpu_sync=True, do_expand=True)
+    calls = [(8, {}), (8, {}), (8, sync), (8, sync), (8, dict(async_with_compute_stream=True)),
+             (64, {}), (8, sync), (8, {}), (64, expand_sync),
+             (8, dict(allocate_on_comm_stream=True, use_previous_event=True)),
+             (64, expand_sync), (64, expand_sync), (8, {}), (64, dict(do_expand=True)), (64, {})]
     for count, (experts, options) in enumerate(calls):
-        check_round_trip(buffer, Case(num_experts=experts, do_cpu_sync=False, seed=seed + count,
-                                      **options))
+        check_round_trip(buffer, Case(num_experts=experts, seed=seed + count,
+                                      **{"do_cpu_sync": False, **options}))
     if backend == "collective":
-        from epcomm.backends.graphed import GRAPH_LIMIT
+        from epcomm.backends.graphed import GRAPH_MEMORY
         path = buffer._backend._kernels
         graphed = [plan.graph is not None for plan in (*path.plans.values(),
                                                         *path.combine_plans.values())]
-        assert any(graphed) and path.graphs == sum(graphed) <= GRAPH_LIMIT, graphed
-        path.graphs = GRAPH_LIMIT
+        assert all(graphed) and 0 < path.graph_bytes <= GRAPH_MEMORY, graphed
+        assert any(plan.host is not None and plan.graph is not None
+                   for plan in path.plans.values())  # (a synchronizing call's graph)
+        path.graph_bytes = GRAPH_MEMORY
         for count in range(3):
             check_round_trip(buffer, Case(num_experts=16, do_cpu_sync=False,
                                           seed=seed + 100 + count))
-        assert path.graphs == GRAPH_LIMIT and \
+        assert path.graph_bytes == GRAPH_MEMORY and \
             all(plan.graph is None for plan in path.plans.values() if plan.call.num_experts == 16)
     return len(calls)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prepared_dispatch_across_call_shapes(backend: str) -> None:
-    assert run_local_ranks(run_prepared_shapes, 1, backend, SEED, pg_backend="nccl") == [10]
+    assert run_local_ranks(run_prepared_shapes, 1, backend, SEED, pg_backend="nccl") == [15]
 
 
 def run_invalid_ids(backend: str, seed: int) -> str:

@@ -420,17 +420,20 @@ def test_combine_work_items_cover_every_step_once(programs, num_rows, hidden):
     assert tiles * pieces >= min(programs, tiles * steps)
 
 
-def _copy_spans(spans, addresses, inward: bool, vec: int, block: int):
+def _copy_spans(spans, addresses, inward: bool, vec: int, block: int, words=None):
     """One launch of `copy.copy_spans_kernel` over `spans` ((fixed tensor, words) each) and the
-    per-call tensors `addresses`, `block` words per program."""
+    per-call tensors `addresses`, `block` words per program; `words`: those copied per span
+    this call (None: each span's)."""
     from epcomm.backends.graphed import span_table
     from epcomm.kernels import copy
-    table, programs = span_table([words for _, words in spans], block)
-    rows = [(fixed.data_ptr(), words, first) for (fixed, _), (words, first) in zip(spans, table)]
+    table, programs = span_table([n for _, n in spans], block)
+    rows = [(fixed.data_ptr(), first) for (fixed, _), (_, first) in zip(spans, table)]
     Launcher(copy.copy_spans_kernel, programs, dict(
         INWARD=int(inward), VEC=vec, BLOCK_W=block, BLOCK_N=4, num_warps=1))(
             (), None, dict(spans_ptr=_t(rows, i64), num_spans=len(spans),
-                           addresses_ptr=_t([t.data_ptr() for t in addresses], i64)))
+                           addresses_ptr=_t([t.data_ptr() for t in addresses], i64),
+                           words_ptr=_t([n for _, n in spans] if words is None else words,
+                                        i64)))
 
 
 def test_copy_spans_example():
@@ -445,6 +448,10 @@ def test_copy_spans_example():
     a, b = _t([1, 2, 3, 4, 5, 6, 7, 8], i32), _t([9, 10, 11, 12], i32)
     _copy_spans([(fixed_a, 5), (fixed_b, 2)], [a, b], inward=True, vec=1, block=4)
     assert fixed_a.tolist() == [1, 2, 3, 4, 5, 0, 0, 0] and fixed_b.tolist() == [9, 10, 0, 0]
+    # a call's spans shorter than the fixed buffers: the rest of each is left as it was
+    _copy_spans([(fixed_a, 5), (fixed_b, 2)], [b, a], inward=True, vec=1, block=4,
+                words=[3, 0])
+    assert fixed_a.tolist() == [9, 10, 11, 4, 5, 0, 0, 0] and fixed_b.tolist() == [9, 10, 0, 0]
 
     gen = torch.Generator().manual_seed(5)
     lengths = [4 * 37, 0, 4 * 5, 4 * 64]

@@ -142,6 +142,51 @@ class DispatchResult:
     flags_checked: bool = False  # the call read the error flag back and raised what it held
 
 
+class HostCounts:
+    """Where a synchronizing dispatch's last kernel leaves its counts for the host: int32
+    [2 + E_l] in pinned host memory, which the device writes (unified addressing), so reading
+    them costs one wait and no copy: [received rows, error flag, aligned per-expert counts]
+    (the symmetric backend's `dispatch_kernels.receive_phase` and the collective one's
+    `expand_kernel`, each with `counts_host`)."""
+
+    def __init__(self, num_local: int, device: torch.device) -> None:
+        if device.type == "cuda":
+            with torch.cuda.device(device):  # pinned (and mapped) for this device's context
+                self.words = torch.zeros(2 + num_local, dtype=torch.int32, pin_memory=True)
+            self.done = torch.cuda.Event()
+        else:
+            self.words, self.done = torch.zeros(2 + num_local, dtype=torch.int32), None
+
+    def read(self, stream: Optional["torch.cuda.Stream"]) -> tuple[int, list[int], int]:
+        """(received rows, aligned per-expert counts, error flag), once the launch queued on
+        `stream` (None: the current stream) is done."""
+        if self.done is not None:
+            self.done.record(stream)
+            self.done.synchronize()
+        words = self.words.tolist()
+        return words[0], words[2:], words[1]
+
+
+def exact_result(result: DispatchResult, num_rows: int, per_expert: list[int]) -> DispatchResult:
+    """A synchronizing dispatch's results from those of the same call made as a sync-free one
+    (capacity-sized outputs, a handle of the capacity) and the counts it read (`HostCounts`):
+    the outputs cut to their valid prefix (views: nothing is copied, and the views keep the
+    capacity allocations alive), the handle given the exact sizes, `do_cpu_sync` and
+    `num_recv_tokens_per_expert_list`. The error flag must have been raised already."""
+    handle = result.handle
+    rows = sum(per_expert) if handle.do_expand else num_rows
+    handle.do_cpu_sync = True
+    handle.num_recv_tokens = num_rows
+    handle.num_expanded_tokens = rows if handle.do_expand else 0
+    handle.num_recv_tokens_per_expert_list = per_expert
+    handle.recv_src_metadata = handle.tensors.prefix("recv_src_metadata", num_rows)
+    idx, weights = result.recv_topk_idx, result.recv_topk_weights
+    return DispatchResult([row[:rows] for row in result.recv_rows],
+                          None if idx is None else idx[:num_rows],
+                          None if weights is None else weights[:rows], handle,
+                          flags_checked=True)
+
+
 def caller_tensors(rows: Sequence[torch.Tensor], topk_idx: torch.Tensor,
                    weights: Optional[torch.Tensor]) -> tuple:
     """A dispatch's caller tensors in a prepared call's slot order (`PreparedDispatch`)."""
@@ -197,6 +242,16 @@ class Backend:
     def __init__(self, config: BufferConfig) -> None:
         self.config = config
         self.rank, self.num_ranks, self.device = config.rank, config.num_ranks, config.device
+        self._host_counts: dict[int, HostCounts] = {}
+
+    def host_counts(self, num_local: int) -> HostCounts:
+        """Where a synchronizing dispatch with `num_local` local experts gets its counts: one per
+        E_l (each such call reads them before it returns, so calls never share one in
+        flight)."""
+        host = self._host_counts.get(num_local)
+        if host is None:
+            host = self._host_counts[num_local] = HostCounts(num_local, self.device)
+        return host
 
     @property
     def num_sms(self) -> Optional[int]:

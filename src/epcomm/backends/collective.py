@@ -432,12 +432,13 @@ class CollectiveBackend(Backend):
         return torch.cat([self._seq.expand(R, 1), header.expand(R, header.shape[0]),
                           counts.view(R, 1)], dim=1)
 
-    def _dispatch_exchange(self, request: DispatchRequest) -> Optional[str]:
+    def _dispatch_exchange(self, sync: bool, cached: Optional[EPHandle]) -> Optional[str]:
         """The stage name of a dispatch's header exchange on the host, where it has one: the
-        host reads the headers where it needs the counts (a synchronizing first call) or runs
-        the transport anyway (gloo). None otherwise (NCCL, sync-free or cached: the headers
-        travel with the records and are checked on the device)."""
-        if request.do_cpu_sync and request.cached is None:
+        host reads the headers where it needs the counts (a synchronizing call over exact
+        blocks without a handle, `cached` None) or runs the transport anyway (gloo). None
+        otherwise (NCCL, sync-free, over padded blocks or cached: the headers travel with the
+        records and are checked on the device)."""
+        if sync and cached is None:
             return "dispatch (count exchange)"
         return "dispatch (header exchange)" if self._host_transport else None
 
@@ -488,7 +489,7 @@ class CollectiveBackend(Backend):
         header = self._header(0, sync, E, M, request.do_expand, record.meta, has_weights)
         if self._kernels is not None and kernel_rows(request.rows, self.config.hidden):
             return self._kernels.dispatch(request, record, header)
-        exchange = self._dispatch_exchange(request)
+        exchange = self._dispatch_exchange(request.do_cpu_sync, request.cached)
         if cached is not None:
             state: _CollectiveState = cached.backend_state
             send, sent = state.send, state.sent

@@ -16,7 +16,7 @@ launches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Hashable, Optional, Sequence, Union
 
 import torch
@@ -28,10 +28,10 @@ from ..kernels import collective as kernels
 from ..kernels.launcher import Address, Launcher, addresses_aligned, next_power_of_2
 from ..layout import expand_capacity
 from .blocks import BlockLayout, TensorBlock
-from .base import (CombineRequest, DispatchRequest, DispatchResult, caller_tensors,
-                   empty_makers, remember)
+from .base import (CombineRequest, DispatchRequest, DispatchResult, HostCounts,
+                   caller_tensors, empty_makers, exact_result, remember)
 from .collective import _HEADER_WORDS
-from .graphed import GRAPH_LIMIT, GraphedCall, graphable
+from .graphed import GRAPH_MEMORY, GraphedCall, graph_bytes, graphable
 
 if TYPE_CHECKING:
     from .collective import CollectiveBackend, _Record
@@ -47,14 +47,34 @@ COMBINE_ROWS = 8
 BLOCK_H = 1024
 COMBINE_WARPS = 16
 _ROWS_PER_PROGRAM = 4  # programs: one per 4 rows of the largest side, up to 2 per SM
+# A synchronizing dispatch over NCCL moves padded blocks (the sync-free call, then one read of
+# its counts) where the padding it is expected to add is at most this many bytes per rank
+# (`padded_sync`), else exact blocks (a count exchange and its host read, then the payload).
+# The exact call costs 300-450 us more than the sync-free one on the GPU machine's host (a
+# second NCCL call, the read in series with the device, six launches): about the time of
+# 16 MiB at 50 GB/s.
+PADDED_SYNC_BYTES = 16 << 20
+
+
+def padded_sync(num_ranks: int, max_tokens: int, num_topk: int, record_bytes: int) -> bool:
+    """Whether a synchronizing dispatch moves padded blocks (`PADDED_SYNC_BYTES`): the rows
+    that padding adds to the blocks it receives, expected under uniform routing of full blocks
+    (a source's M tokens each come with probability 1 - (1 - 1/R)^K), times the record bytes.
+    The call's shape alone decides, so every rank decides alike.
+
+    Example: padded_sync(1, 4096, 8, 14_400) (one rank: nothing added) and
+    padded_sync(8, 128, 8, 14_400) (about 5 MB added) are True, padded_sync(8, 4096, 8, 14_400)
+    (about 160 MB) is False."""
+    absent = (1 - 1 / num_ranks) ** num_topk
+    return num_ranks * max_tokens * absent * record_bytes <= PADDED_SYNC_BYTES
 
 
 @dataclass
 class KernelState:
     """What combine and a cached dispatch reuse besides the handle's tensors (its block also
     holds `pos`, [T, R] int32, each token's row among those sent to each rank, -1 where not
-    sent, and `send_counts`, [R] int32): splits (exact blocks, synchronizing calls; None for
-    padded blocks): records sent to / received from each rank, host lists, and recv_counts the
+    sent, and `send_counts`, [R] int32): splits (exact blocks, synchronizing calls that
+    exchanged counts; None for padded blocks): records sent to / received from each rank, host lists, and recv_counts the
     rows of the count exchange that hold the latter ([R, n] int64 on the device, row r's record
     count at word _HEADER_WORDS - 1)."""
 
@@ -164,15 +184,15 @@ class _Plan:
 class _GraphedPlan(_Plan):
     """A prepared call over padded blocks (its sizes fixed by its shape), replayed as a CUDA
     graph (`graphed.GraphedCall`, made on the first call that may take one) when its tensors
-    are CUDA tensors, its inputs and outputs few bytes (`graphed.graphable`), the path keeps
-    fewer than `GRAPH_LIMIT` graphs and the stream is not being captured; else issued launch
-    by launch (`issue`).
-    allocations: (name, shape, dtype, output) of each tensor it allocates; inputs: the bytes of
-    each caller tensor, in slot order."""
+    are CUDA tensors, its inputs and outputs few bytes (`graphed.graphable`), its graph's
+    buffers fit in what the path's graphs may keep (`GRAPH_MEMORY`) and the stream is not being
+    captured; else issued launch by launch (`issue`).
+    allocations: (name, shape, dtype, output) of each tensor it allocates; inputs: (bytes, row
+    bytes) of each caller tensor, in slot order (`graphed.GraphedCall`)."""
 
     def __init__(self, path: "KernelPath", allocations: Sequence[tuple[str, tuple, torch.dtype,
                                                                        bool]],
-                 launches: list, inputs: Sequence[int]) -> None:
+                 launches: list, inputs: Sequence[tuple[int, int]]) -> None:
         super().__init__(path, [(shape, dtype) for _, shape, dtype, _ in allocations], launches)
         self.names = [name for name, *_ in allocations]
         self.allocations = [(shape, dtype, output) for _, shape, dtype, output in allocations]
@@ -183,7 +203,8 @@ class _GraphedPlan(_Plan):
         self._output_makers = empty_makers(self.output_shapes, path.backend.device)
         self.graph: Optional[GraphedCall] = None
         self.graphable = path.backend.device.type == "cuda" and graphable(
-            [*inputs, *[math.prod(shape) * dtype.itemsize for shape, dtype in self.output_shapes]])
+            [*[n for n, _ in inputs],
+             *[math.prod(shape) * dtype.itemsize for shape, dtype in self.output_shapes]])
 
     def issue(self, values: Sequence[int], tensors: Sequence[torch.Tensor],
               stream: Optional["torch.cuda.Stream"]) -> None:
@@ -192,14 +213,15 @@ class _GraphedPlan(_Plan):
         raise NotImplementedError
 
     def tensors(self, addresses: Sequence[int], alloc, stream: Optional["torch.cuda.Stream"],
-                ) -> dict[str, torch.Tensor]:
-        """Run the call on the caller tensors at `addresses`: its allocations by name (the
-        outputs alone after a graph's replay)."""
+                input_bytes: Optional[Sequence[int]] = None) -> dict[str, torch.Tensor]:
+        """Run the call on the caller tensors at `addresses` (`input_bytes`: the bytes of the
+        first ones, where they change per call): its allocations by name (the outputs alone
+        after a graph's replay)."""
         self.path.backend._check_usable()
         graph = self._graph(stream)
         if graph is not None:
             outputs = alloc.empty_all(self.output_shapes, self._output_makers)
-            self.path.issue_on(stream, graph.replay, addresses, outputs)
+            self.path.issue_on(stream, graph.replay, addresses, outputs, input_bytes)
             return dict(zip(self.output_names, outputs))
         tensors = alloc.empty_all(self.shapes, self._makers)
         # (each template takes the slots up to its last one)
@@ -212,25 +234,28 @@ class _GraphedPlan(_Plan):
             return None
         if self.graph is None:
             path = self.path
-            if path.graphs >= GRAPH_LIMIT:
+            nbytes = graph_bytes([n for n, _ in self.input_bytes], self.allocations)
+            if path.graph_bytes + nbytes > GRAPH_MEMORY:
                 self.graphable = False
                 return None
             self.graph = path.issue_on(stream, GraphedCall, path.backend.device, self.input_bytes,
                                        self.allocations,
                                        lambda values, tensors: self.issue(values, tensors, None))
-            path.graphs += 1
+            path.graph_bytes += nbytes
         return self.graph
 
 
 class DispatchPlan(_GraphedPlan):
-    """A sync-free dispatch over NCCL of one call shape (`base.PreparedDispatch`). Template
-    slots: the caller's tensors (`base.caller_tensors`), then the allocations in order."""
+    """A dispatch over NCCL of one call shape over padded blocks (`base.PreparedDispatch`):
+    a sync-free one, or with `host` a synchronizing one (`padded_sync`), whose results are
+    made exact from the counts its last launch leaves in `host`. Template slots: the caller's
+    tensors (`base.caller_tensors`), then the allocations in order."""
 
     def __init__(self, path: "KernelPath", call: _Call, sizes: _Sizes,
                  allocations: Sequence[tuple[str, tuple, torch.dtype, bool]], launches: list,
-                 inputs: Sequence[int]) -> None:
+                 inputs: Sequence[tuple[int, int]], host: Optional[HostCounts]) -> None:
         super().__init__(path, allocations, launches, inputs)  # count, pack, the rest
-        self.call, self.sizes = call, sizes
+        self.call, self.sizes, self.host = call, sizes, host
         self.layout = path.handle_layout(call, sizes.num_rows)
         self._recv, self._send = self.names.index("recv"), self.names.index("send")
 
@@ -246,7 +271,8 @@ class DispatchPlan(_GraphedPlan):
             stream: Optional["torch.cuda.Stream"]) -> DispatchResult:
         t = self.tensors(addresses, alloc, stream)
         block = _handle_block(self.call, self.layout, t["block"], topk_idx)
-        return self.path.result(self.call, self.sizes, t, block, None, False)
+        result = self.path.result(self.call, self.sizes, t, block, None, False)
+        return result if self.host is None else self.path.exact(result, stream, self.host)
 
 
 class SyncDispatchPlan(_Plan):
@@ -312,7 +338,7 @@ class KernelPath:
         self.plans: dict = {}
         self.combine_plans: dict = {}
         self.handle_layouts: dict = {}
-        self.graphs = 0  # graphs made by the plans (`GRAPH_LIMIT`)
+        self.graph_bytes = 0  # the fixed buffers of the plans' graphs (`GRAPH_MEMORY`)
         # slots per expert of a synchronizing call ([E] int64), zeroed again by header_kernel
         self.experts = torch.zeros(0, dtype=torch.int64, device=config.device)
         # stands in for the weights of a call without them (the kernels do not read it)
@@ -337,9 +363,19 @@ class KernelPath:
         with torch.cuda.stream(stream):
             return fn(*args)
 
+    def exact(self, result: DispatchResult, stream: Optional["torch.cuda.Stream"],
+              host: HostCounts) -> DispatchResult:
+        """A synchronizing dispatch over padded blocks: the results of its sync-free call cut
+        to the counts its last launch left in `host` (one wait for `stream`), after raising
+        the error flag read with them."""
+        num_rows, per_expert, flags = host.read(stream)
+        self.raise_flags(flags)
+        return exact_result(result, num_rows, per_expert)
+
     def raise_flags(self, flags: int) -> None:
-        """Raise (and clear) what a dispatch's count exchange carried of this rank's error flag
-        (`flags`, 0 for none), once the call has completed, as every peer's does."""
+        """Raise (and clear) what a synchronizing dispatch read of this rank's error flag
+        (`flags`, 0 for none; carried by its count exchange, or left with its counts), once the
+        call has completed, as every peer's does."""
         if flags:
             b = self.backend
             b._flags.bitwise_and_(~flags)
@@ -419,11 +455,12 @@ class KernelPath:
                     BLOCK_R=next_power_of_2(self.backend.num_ranks))
 
     def _launches(self, call: _Call, t: dict, h: TensorBlock, header: torch.Tensor,
-                  exchanged: bool, exact: bool, num_rows, bound) -> list[tuple]:
+                  exchanged: bool, exact: bool, num_rows, bound,
+                  host: Optional[HostCounts]) -> list[tuple]:
         """(launcher, variant, fields) of pack, unpack, expert prefix and expand, with the
         tensors (or stand-ins) of `t` and the handle block `h`, over exact blocks or padded
         ones; `num_rows` (compact output rows) and `bound` (`_bound`) are ints, or stand-ins of
-        a prepared call's per-call ints."""
+        a prepared call's per-call ints; expand leaves the call's counts in `host` if given."""
         b = self.backend
         R, M, K, E = b.num_ranks, call.max_tokens, call.num_topk, call.num_experts
         num_local = E // R
@@ -476,7 +513,8 @@ class KernelPath:
             expert_psum_out=h.arg("psum_num_recv_tokens_per_expert"),
             p0_out=e0.data_ptr(), p1_out=e1.data_ptr(),
             w_out=t["recv_w"] if call.has_w and call.expand else t["weights"],
-            hist_ptr=t["hist"])
+            hist_ptr=t["hist"], read_counts=int(host is not None),
+            counts_host=t["hist"] if host is None else host.words)
         return [pack, unpack, prefix, expand]
 
     def _experts(self, num_experts: int) -> torch.Tensor:
@@ -547,15 +585,23 @@ class KernelPath:
         else:
             num_expanded = expand_capacity(R, M, call.num_topk, num_local, call.alignment) \
                 if call.expand else 0
-        num_rows = sum(recv_splits) if recv_splits is not None else R * M
+        num_rows = cached.num_recv_tokens if cached is not None else \
+            sum(recv_splits) if recv_splits is not None else R * M
         return _Sizes(send_splits, recv_splits, num_rows, counts_list, num_expanded), flags
 
     def dispatch(self, request: DispatchRequest, record: "_Record",
                  header: torch.Tensor) -> DispatchResult:
         b = self.backend
         call = _Call.of(request, record)
+        host = None
+        if call.sync and not b._host_transport and padded_sync(
+                b.num_ranks, call.max_tokens, call.num_topk, record.nbytes):
+            # padded blocks: the sync-free call, then (without a handle) one read of its counts
+            call = replace(call, sync=False)
+            if request.cached is None:
+                host = b.host_counts(call.num_experts // b.num_ranks)
         if self._preparable(request):
-            plan = self.plans.get(request.key) or self._prepare(request, call, header)
+            plan = self.plans.get(request.key) or self._prepare(request, call, header, host)
             if plan is not None:
                 addresses = [tensor.data_ptr() for tensor in caller_tensors(
                     request.rows, request.topk_idx, request.topk_weights)]
@@ -566,7 +612,7 @@ class KernelPath:
                  weights=request.topk_weights if call.has_w else self.no_weights)
         name, shape, dtype, _ = self._counts_allocation()
         t[name] = b._workspace.tensor(name, shape, dtype)
-        exchange = b._dispatch_exchange(request)
+        exchange = b._dispatch_exchange(call.sync, request.cached)
         sizes_read = call.sync and request.cached is None  # one host read gives every size
         t["experts"] = self._experts(call.num_experts) if sizes_read else b._seq
         launcher, variant, fields = self._count_launch(call, t, sizes_read)
@@ -590,19 +636,21 @@ class KernelPath:
                               topk_idx)
         pack, *rest = self._launches(call, t, block, header, bool(exchange),
                                      sizes.send_splits is not None, sizes.num_rows,
-                                     self._bound(call, sizes))
+                                     self._bound(call, sizes), host)
         pack[0](pack[1], None, pack[2])
         b._all_to_all("dispatch", t["recv"], t["send"], _block_splits(sizes.recv_splits),
                       _block_splits(sizes.send_splits))
         for launcher, variant, fields in rest:
             launcher(variant, None, fields)
         self.raise_flags(flags)
-        return self.result(call, sizes, t, block, request.cached, sizes_read)
+        result = self.result(call, sizes, t, block, request.cached, sizes_read)
+        return result if host is None else self.exact(result, None, host)
 
     def _prepare(self, request: DispatchRequest, call: _Call, header: torch.Tensor,
-                 ) -> Union[DispatchPlan, SyncDispatchPlan, None]:
+                 host: Optional[HostCounts]) -> Union[DispatchPlan, SyncDispatchPlan, None]:
         """The plan of this call shape (`DispatchPlan`, or `SyncDispatchPlan` for a
-        synchronizing call), None while a kernel is not kept (the first call compiles
+        synchronizing call over exact blocks; `host`: where a synchronizing call over padded
+        blocks leaves its counts), None while a kernel is not kept (the first call compiles
         them)."""
         b = self.backend
         sizes, _ = self._sizes(call, None, None)  # (the capacity: names and dtypes)
@@ -630,7 +678,7 @@ class KernelPath:
         launches = [self._count_launch(call, t, call.sync),
                     *([self._header_launch(call, t, header, True)] if call.sync else []),
                     *self._launches(call, t, block, header, call.sync, call.sync, num_rows,
-                                    bound)]
+                                    bound, host)]
         if not all(launcher.kept(variant) for launcher, variant, _ in launches):
             return None
         templates = [(launcher, variant, launcher.template(fields, t["block"].slot))
@@ -638,7 +686,7 @@ class KernelPath:
         plan = SyncDispatchPlan(self, call, first, [name for name, *_ in allocations],
                                 templates) if call.sync else \
             DispatchPlan(self, call, sizes, first + allocations, templates,
-                         [tensor.numel() * tensor.element_size() for tensor in callers])
+                         [(tensor.nbytes, tensor.nbytes) for tensor in callers], host)
         remember(self.plans, request.key, plan)
         return plan
 
@@ -684,10 +732,10 @@ class KernelPath:
                 prepend=torch.zeros(1, dtype=torch.int32, device=b.device))
             b._exchange_headers("combine (header exchange)",
                                 b._header_rows(header, counts.long()))
-        elif not handle.do_cpu_sync and not INTERPRET:  # padded blocks: a prepared call
+        elif state.send_splits is None and not INTERPRET:  # padded blocks: a prepared call
             key = (handle.num_tokens, topk_idx.dtype, handle.num_max_tokens_per_rank,
-                   handle.num_experts, handle.do_expand, weights is not None,
-                   tuple(bias.dtype for bias in biases))
+                   handle.num_experts, handle.expert_alignment, handle.do_expand,
+                   handle.do_cpu_sync, weights is not None, tuple(bias.dtype for bias in biases))
             plan = self.combine_plans.get(key) or self._prepare_combine(
                 key, handle, _combine_callers(handle, x, weights, biases), biases, record,
                 header)
@@ -697,7 +745,7 @@ class KernelPath:
                                              (weights, *biases) if tensor is not None],
                              *[block.address_of(name) for name in _HANDLE_READS]]
                 if plan.takes(addresses):
-                    return plan.run(addresses, request.alloc)
+                    return plan.run(addresses, request.alloc, x, weights)
         callers = _combine_callers(handle, x, weights, biases)
         t = dict(callers, weights=callers.get("weights", self.no_weights), biases=biases)
         for name, shape, dtype, output in self._combine_allocations(handle, record):
@@ -737,16 +785,16 @@ class KernelPath:
         b = self.backend
         R, M, H = b.num_ranks, handle.num_max_tokens_per_rank, b.config.hidden
         T, K = handle.tensors["topk_idx"].shape
-        sync = handle.do_cpu_sync
+        exact = handle.backend_state.send_splits is not None
         vec = 8 if H % 8 == 0 else 4 if H % 4 == 0 else 2
         common = dict(K=K, BLOCK_K=next_power_of_2(K), BLOCK_R=next_power_of_2(R),
                       BLOCK_F=kernels.BLOCK_F, ROWS=COMBINE_ROWS, VEC=vec,
                       BLOCK_H=BLOCK_H, num_warps=COMBINE_WARPS)
         record_words, meta_off = record.nbytes // 4, record.meta // 4
         pack = self._launcher(kernels.combine_pack_kernel, **common), vec, dict(
-            x_addr=t["x"].data_ptr(), hidden=H, num_ranks=R, max_tokens=M, exact=int(sync),
+            x_addr=t["x"].data_ptr(), hidden=H, num_ranks=R, max_tokens=M, exact=int(exact),
             rank_psum=t["psum_num_recv_tokens_per_scaleup_rank"],
-            num_rows=handle.num_recv_tokens, send_addr=t["send"].data_ptr(),
+            num_rows=handle.num_recv_tokens if exact else R * M, send_addr=t["send"].data_ptr(),
             record_words=record_words, meta_off=meta_off, metadata=t["recv_src_metadata"],
             expand=int(handle.do_expand), w_ptr=t["weights"], has_w=int(has_w),
             fields_ptr=header, seq_ptr=b._seq, bump=int(not b._host_transport))
@@ -756,7 +804,7 @@ class KernelPath:
         reduce = self._launcher(kernels.combine_reduce_kernel, **common), \
             (handle.tensors["topk_idx"].dtype, dtypes[0], dtypes[-1]), dict(
                 recv_addr=t["returned"].data_ptr(), record_words=record_words,
-                meta_off=meta_off, num_ranks=R, max_tokens=M, exact=int(sync),
+                meta_off=meta_off, num_ranks=R, max_tokens=M, exact=int(exact),
                 send_counts=t["send_counts"], idx_ptr=t["topk_idx"], num_tokens=T,
                 num_experts=handle.num_experts, pos_ptr=t["pos"], bias0=bias0, bias1=bias1,
                 num_bias=len(biases), out_ptr=t["out"], hidden=H, has_w=int(has_w),
@@ -782,10 +830,27 @@ class KernelPath:
             return None
         plan = CombinePlan(self, allocations, [(launcher, variant, launcher.template(fields, 0))
                                                for launcher, variant, fields in launches],
-                           [tensor.numel() * tensor.element_size()
-                            for tensor in callers.values()])
+                           self._combine_inputs(handle, callers))
         remember(self.combine_plans, key, plan)
         return plan
+
+    def _combine_inputs(self, handle: EPHandle, callers: dict) -> list[tuple[int, int]]:
+        """(bytes, row bytes) of a prepared combine's caller tensors (`GraphedCall`): x and
+        the weights hold at most the capacity rows of the handle's layout (after a
+        synchronizing dispatch over padded blocks, the exact rows of each call), the rest
+        their bytes."""
+        R, M = self.backend.num_ranks, handle.num_max_tokens_per_rank
+        rows = expand_capacity(R, M, handle.tensors["topk_idx"].shape[1],
+                               handle.num_experts // R, handle.expert_alignment) \
+            if handle.do_expand else R * M
+        inputs = []
+        for name, tensor in callers.items():
+            if name in ("x", "weights"):
+                row = math.prod(tensor.shape[1:]) * tensor.element_size()
+                inputs.append((rows * row, row))
+            else:
+                inputs.append((tensor.nbytes, tensor.nbytes))
+        return inputs
 
 
 # The handle block's tensors a combine reads (after x, weights and the biases in
@@ -805,9 +870,10 @@ def _combine_callers(handle: EPHandle, x: torch.Tensor, weights: Optional[torch.
 
 
 class CombinePlan(_GraphedPlan):
-    """A combine over NCCL of one call shape after a sync-free dispatch: the pack and reduce
-    launches kept as templates (slots: the caller tensors of `_combine_callers`, then the
-    allocations of `KernelPath._combine_allocations`: send and receive rows, the outputs)."""
+    """A combine over NCCL of one call shape after a dispatch over padded blocks: the pack
+    and reduce launches kept as templates (slots: the caller tensors of `_combine_callers`,
+    then the allocations of `KernelPath._combine_allocations`: send and receive rows, the
+    outputs)."""
 
     def issue(self, values: Sequence[int], tensors: Sequence[torch.Tensor],
               stream: Optional["torch.cuda.Stream"]) -> None:
@@ -818,6 +884,8 @@ class CombinePlan(_GraphedPlan):
         reduce.launch_filled(reduce_variant, stream,
                              reduce_args.fill(values[:reduce_args.slots]))
 
-    def run(self, addresses: Sequence[int], alloc) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        t = self.tensors(addresses, alloc, None)
+    def run(self, addresses: Sequence[int], alloc, x: torch.Tensor,
+            weights: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        t = self.tensors(addresses, alloc, None,
+                         (x.nbytes,) if weights is None else (x.nbytes, weights.nbytes))
         return t["out"], t.get("w_out")

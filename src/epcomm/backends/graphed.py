@@ -18,7 +18,8 @@ replay on another stream than the last one's first waits for that stream.
 from __future__ import annotations
 
 import ctypes
-from typing import Callable, Sequence
+import math
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -31,9 +32,10 @@ from ..kernels.launcher import Launcher, next_power_of_2
 # call's host time). Above this size a call's device time outweighs its host time (4096
 # tokens: 117 MB in and out, and the eager call is within 2x of its floor).
 GRAPH_BYTES = 32 << 20
-# Graphs a backend keeps: each holds its call's inputs, outputs and scratch (about 8 MB for a
-# 128-token compact dispatch at hidden 7168, 35 MB expand); later call shapes run eagerly.
-GRAPH_LIMIT = 8
+# Bytes of fixed buffers a backend's graphs keep: each graph holds its call's inputs, outputs
+# and scratch (`GraphedCall.nbytes`: at hidden 7168 and 128 tokens about 8 MB for a compact
+# dispatch and 35 MB for an expand one); call shapes past it launch their kernels.
+GRAPH_MEMORY = 256 << 20
 SPAN_WORDS = 2048  # int32 words per program of `copy_spans_kernel` (16 words per thread)
 COPY_WARPS = 4
 
@@ -56,51 +58,69 @@ def graphable(nbytes: Sequence[int]) -> bool:
     return sum(nbytes) <= GRAPH_BYTES and all(n % 4 == 0 for n in nbytes)
 
 
+def _vec(words: Sequence[int]) -> int:
+    """The widest vector (4, 2 or 1 int32 words) that divides each of `words`."""
+    return next(v for v in (4, 2, 1) if all(w % v == 0 for w in words))
+
+
+def graph_bytes(inputs: Sequence[int], allocations: Sequence[tuple[tuple, torch.dtype, bool]],
+                ) -> int:
+    """The bytes of the fixed buffers a `GraphedCall` of `inputs` (their most bytes) and
+    `allocations` keeps."""
+    return sum(inputs) + sum(math.prod(shape) * dtype.itemsize for shape, dtype, _ in allocations)
+
+
 class GraphedCall:
     """One call shape captured as a CUDA graph on `device`, replayed per call (`replay`).
 
-    inputs: the bytes of each caller tensor, in the call's slot order (contiguous tensors,
-        16-byte aligned); allocations: (shape, dtype, output) of each tensor the call
-        allocates, its slots after the inputs'; issue(values, tensors): queues the call on the
-        current stream, `values` the address of every slot (the inputs', the allocations'),
-        `tensors` the allocations.
+    inputs: (bytes, row bytes) of each caller tensor, in the call's slot order (contiguous
+        tensors, 16-byte aligned): the most it holds, and what its size per call is a multiple
+        of (the bytes again for a tensor of fixed size); allocations: (shape, dtype, output) of
+        each tensor the call allocates, its slots after the inputs'; issue(values, tensors):
+        queues the call on the current stream, `values` the address of every slot (the
+        inputs', the allocations'), `tensors` the allocations. Inputs of fewer bytes than their
+        most leave the rest of their fixed buffer as the last call left it: the call must not
+        read past what it is given.
 
     Construction queues a warm-up of the copies on the current stream and captures the graph
     (no host synchronization)."""
 
-    def __init__(self, device: torch.device, inputs: Sequence[int],
+    def __init__(self, device: torch.device, inputs: Sequence[tuple[int, int]],
                  allocations: Sequence[tuple[tuple, torch.dtype, bool]],
                  issue: Callable[[list, list], None]) -> None:
         self.device = device
         # the fixed buffers (kept for the graph's life)
-        self.inputs = [torch.empty(n, dtype=torch.uint8, device=device) for n in inputs]
+        self.inputs = [torch.empty(n, dtype=torch.uint8, device=device) for n, _ in inputs]
         self.tensors = [torch.empty(shape, dtype=dtype, device=device)
                         for shape, dtype, _ in allocations]
         fixed_outputs = [tensor for tensor, (_, _, output) in zip(self.tensors, allocations)
                          if output]
-        lengths = [n // 4 for n in inputs] + \
+        lengths = [n // 4 for n, _ in inputs] + \
             [tensor.numel() * tensor.element_size() // 4 for tensor in fixed_outputs]
-        vec = 4 if all(words % 4 == 0 for words in lengths) else 1
         rows = []
         self.copies = []  # (launcher, first row, rows) of the copy in, then out
-        for inward, tensors, part in ((1, self.inputs, lengths[:len(inputs)]),
-                                      (0, fixed_outputs, lengths[len(inputs):])):
+        for inward, tensors, part, vec in (
+                (1, self.inputs, lengths[:len(inputs)],
+                 _vec([*lengths[:len(inputs)], *[unit // 4 for _, unit in inputs]])),
+                (0, fixed_outputs, lengths[len(inputs):], _vec(lengths[len(inputs):]))):
             spans, programs = span_table(part, SPAN_WORDS)
             self.copies.append((Launcher(copy_spans_kernel, max(programs, 1), dict(
                 INWARD=inward, VEC=vec, BLOCK_W=SPAN_WORDS,
                 BLOCK_N=max(2, next_power_of_2(len(spans))), num_warps=COPY_WARPS)),
                 len(rows), len(spans)))
-            rows += [(tensor.data_ptr(), words, first)
-                     for tensor, (words, first) in zip(tensors, spans)]
+            rows += [(tensor.data_ptr(), first) for tensor, (_, first) in zip(tensors, spans)]
         self.spans = _to_device(rows, device)
-        # A warm-up that copies each fixed buffer onto itself compiles the copies (nothing may
-        # load a module during the capture).
-        self.addresses = _to_device([address for address, _, _ in rows], device)
-        # The per-call addresses are written here, then copied: a copy from pageable memory is
-        # staged before it returns, so the next call may write again (torch.tensor of the
-        # list would cost 5-7 us more per call).
-        self._host = torch.empty(len(rows), dtype=torch.int64)
-        self._host_words = (ctypes.c_int64 * len(rows)).from_address(self._host.data_ptr())
+        # Per span its per-call address, then (after every span's) its words. A warm-up that
+        # copies each fixed buffer onto itself compiles the copies (nothing may load a module
+        # during the capture).
+        n = len(rows)
+        self.table = _to_device([address for address, _ in rows] + lengths, device)
+        # The per-call addresses (and sizes) are written here, then copied: a copy from
+        # pageable memory is staged before it returns, so the next call may write again
+        # (torch.tensor of the list would cost 5-7 us more per call).
+        self._host = torch.tensor([address for address, _ in rows] + lengths, dtype=torch.int64)
+        self._host_words = (ctypes.c_int64 * (2 * n)).from_address(self._host.data_ptr())
+        self._words_from = n
         self._copy(0)
         self._copy(1)
         values = [tensor.data_ptr() for tensor in (*self.inputs, *self.tensors)]
@@ -120,19 +140,29 @@ class GraphedCall:
     def _copy(self, direction: int) -> None:
         launcher, first, count = self.copies[direction]
         if count:
-            launcher((), None, dict(spans_ptr=self.spans[first:], num_spans=count,
-                                    addresses_ptr=self.addresses[first:]))
+            launcher((), None, dict(
+                spans_ptr=self.spans[first:], num_spans=count,
+                addresses_ptr=self.table[first:],
+                words_ptr=self.table[self._words_from + first:]))
 
-    def replay(self, addresses: Sequence[int], outputs: Sequence[torch.Tensor]) -> None:
+    def replay(self, addresses: Sequence[int], outputs: Sequence[torch.Tensor],
+               input_bytes: Optional[Sequence[int]] = None) -> None:
         """The call on the current stream: the caller tensors at `addresses` (in slot order),
-        the outputs into `outputs` (fresh tensors of the output allocations, in order)."""
+        the outputs into `outputs` (fresh tensors of the output allocations, in order).
+        input_bytes: the bytes of the first caller tensors this call, where they may be fewer
+        than their most (None: as the last call's)."""
         raw = torch._C._cuda_getCurrentRawStream(self._index)
         if raw != self._last_raw:
             current = torch.cuda.current_stream(self.device)
             current.wait_stream(self._last)
             self._last, self._last_raw = current, raw
-        self._host_words[:] = [*addresses, *[out.data_ptr() for out in outputs]]
-        self.addresses.copy_(self._host, non_blocking=True)
+        words = self._host_words
+        words[:len(addresses)] = addresses
+        words[len(addresses):self._words_from] = [out.data_ptr() for out in outputs]
+        if input_bytes is not None:
+            words[self._words_from:self._words_from + len(input_bytes)] = \
+                [n // 4 for n in input_bytes]
+        self.table.copy_(self._host, non_blocking=True)
         self.graph.replay()
 
 

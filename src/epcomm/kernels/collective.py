@@ -385,16 +385,22 @@ def expert_prefix_kernel(hist_ptr, num_local, expert_counts_out, BLOCK_P: tl.con
         tl.store(expert_counts_out + e, total(counts))
 
 
-@_kernel("rank_psum expert_counts expert_psum_out w_out meta_out hist_ptr flags_ptr")
-def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_psum, num_rows, num_local, alignment, capacity, expert_counts,
-                  expert_psum_out, expand, p0_out, w0, p1_out, w1, off1, meta_off, zero_padding,
-                  w_out, has_w, meta_out, hist_ptr, flags_ptr, K: tl.constexpr,
+@_kernel("rank_psum expert_counts expert_psum_out w_out meta_out hist_ptr flags_ptr "
+         "counts_host")
+def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_psum, num_rows,
+                  num_local, alignment, capacity, expert_counts, expert_psum_out, expand, p0_out,
+                  w0, p1_out, w1, off1, meta_off, zero_padding, w_out, has_w, meta_out,
+                  hist_ptr, flags_ptr, read_counts, counts_host, K: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   GROUP: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
                   BLOCK_W: tl.constexpr):
     """Expand rows of every pair, in the metadata; in the expand layout the payload and
     weights to those rows and the gaps (weights 0, payload 0 with zero padding). Rows: the
-    same program chunks as `unpack_kernel`, GROUP rows at a time."""
+    same program chunks as `unpack_kernel`, GROUP rows at a time. With `read_counts`, program 0
+    first stores [received rows, error flag, aligned rows per local expert] to counts_host
+    (int32 [2 + num_local], host memory the host reads once the launch is done: a
+    synchronizing dispatch over padded blocks; the flag holds what the earlier launches of the
+    call raised, and this launch raises nothing where `capacity` is the expand capacity)."""
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     kk = tl.arange(0, BLOCK_K)
@@ -408,6 +414,10 @@ def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_ps
     if pid == 0:
         tl.store(expert_psum_out + ee, tl.where(expand != 0, starts + totals, psum_aligned),
                  mask=emask)
+        if read_counts != 0:
+            tl.store(counts_host + 2 + ee, aligned, mask=emask)
+            tl.store(counts_host, tl.load(rank_psum + num_ranks - 1))
+            tl.store(counts_host + 1, tl.atomic_or(flags_ptr, 0, sem="acquire", scope="gpu"))
     rank_counts = tl.load(rank_psum + rr, mask=rr < num_ranks, other=0)
     rank_counts = rank_counts - tl.load(rank_psum + rr - 1, mask=(rr >= 1) & (rr < num_ranks),
                                         other=0)

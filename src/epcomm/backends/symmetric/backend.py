@@ -19,11 +19,11 @@ from ...kernels.launcher import Address, KernelShape, Launcher, Stage, next_powe
 from ...kernels.sync import timeout_units
 from ...layout import expand_capacity
 from ..base import (Backend, BufferConfig, CombineRequest, DispatchRequest, DispatchResult,
-                    caller_tensors, remember)
+                    HostCounts, caller_tensors, exact_result, remember)
 from ..blocks import BlockLayout, TensorBlock
 from .heap import SymmetricHeap, all_gather_objects, heap_layout, heap_reachable
 from .heap import payload_words as hidden_payload_words
-from .plans import CombinePlan, DispatchPlan, HostCounts, OutputSpec, Scratch
+from .plans import CombinePlan, DispatchPlan, OutputSpec, Scratch
 from .warmup import warm_up
 
 _NO_CAPACITY = 2**31 - 1  # a row bound nothing reaches (exact-size outputs)
@@ -138,7 +138,6 @@ class SymmetricBackend(Backend):
         self.pos_scratch = torch.zeros(S * R, dtype=i32, device=dev)
         self.hist = Scratch(dev)  # the receive part's, grown for the most local experts seen
         self._layouts: dict = {}  # payload words -> (RecordLayout, its dispatch Launcher)
-        self._host: dict[int, HostCounts] = {}  # see `_host_counts`
         self.combine_launcher = combine_kernels.launcher(self.combine_shape)
         self._block_layouts: dict = {}  # see `_block_layout`
         # The prepared calls: sync-free call shape (`DispatchRequest.key`) -> DispatchPlan;
@@ -257,7 +256,7 @@ class SymmetricBackend(Backend):
             block.arg("dst_buffer_slot_idx"), block.arg("topk_idx") if copy else None)
         recv_rows, recv_weights, local_idx = self._output_spec(request).allocate(
             alloc, num_rows, num_expanded)
-        counts = self._host_counts(num_local) if sync and cached is None else None
+        counts = self.host_counts(num_local) if sync and cached is None else None
         launcher(variant, stream, self._receive_arguments(
             request, layout, block, send, hist, num_rows, num_expanded, recv_rows, recv_weights,
             local_idx, counts))
@@ -269,34 +268,14 @@ class SymmetricBackend(Backend):
         result = DispatchResult(recv_rows, local_idx, recv_weights, handle)
         return self._exact(result, stream, counts) if sync else result
 
-    def _host_counts(self, num_local: int) -> HostCounts:
-        """Where a synchronizing dispatch with `num_local` local experts gets its counts: one per
-        E_l (each such call reads them before it returns, so calls never share one in
-        flight)."""
-        host = self._host.get(num_local)
-        if host is None:
-            host = self._host[num_local] = HostCounts(num_local, self.device)
-        return host
-
     def _exact(self, result: DispatchResult, stream, host: HostCounts) -> DispatchResult:
         """A synchronizing dispatch's results, from those of the call made as a sync-free one:
         one wait for its launch, then the counts and the error flag it left in `host`, the
         outputs cut to their valid prefix (views of the capacity-sized outputs: nothing is
         copied) and the handle given the exact sizes and `num_recv_tokens_per_expert_list`."""
-        handle = result.handle
-        block: TensorBlock = handle.backend_state
         num_rows, per_expert, flags = host.read(stream)
         self._raise_flags("dispatch", flags)
-        rows = sum(per_expert) if handle.do_expand else num_rows
-        handle.num_recv_tokens = num_rows
-        handle.num_expanded_tokens = rows if handle.do_expand else 0
-        handle.num_recv_tokens_per_expert_list = per_expert
-        handle.recv_src_metadata = block.prefix("recv_src_metadata", num_rows)
-        idx, weights = result.recv_topk_idx, result.recv_topk_weights
-        return DispatchResult([row[:rows] for row in result.recv_rows],
-                              None if idx is None else idx[:num_rows],
-                              None if weights is None else weights[:rows], handle,
-                              flags_checked=True)
+        return exact_result(result, num_rows, per_expert)
 
     def _capacity(self, request: DispatchRequest) -> tuple[int, int]:
         """(compact rows, expand rows) of a sync-free dispatch's outputs (contract section 2)."""
@@ -380,7 +359,7 @@ class SymmetricBackend(Backend):
             self.counts_scratch, self.pos_scratch, idx_slot, request.num_experts, weights_slot,
             row_slots, layout, block.arg("dst_buffer_slot_idx"),
             block.arg("topk_idx") if copy else None)
-        counts = self._host_counts(num_local) if request.do_cpu_sync else None
+        counts = self.host_counts(num_local) if request.do_cpu_sync else None
         fields = self._receive_arguments(request, layout, block, send, hist, num_rows,
                                          num_expanded, recv_rows, recv_weights, local_idx,
                                          counts)

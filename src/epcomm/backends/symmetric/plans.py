@@ -76,30 +76,6 @@ class Scratch:
         return self.tensor
 
 
-class HostCounts:
-    """Where a synchronizing dispatch's kernel leaves its counts for the host: int32 [2 + E_l]
-    in pinned host memory, which the device writes (unified addressing), so reading them costs
-    one wait and no copy (`dispatch_kernels.receive_phase`, counts_host): [received rows, error
-    flag, aligned per-expert counts]."""
-
-    def __init__(self, num_local: int, device: torch.device) -> None:
-        if device.type == "cuda":
-            with torch.cuda.device(device):  # pinned (and mapped) for this device's context
-                self.words = torch.zeros(2 + num_local, dtype=torch.int32, pin_memory=True)
-            self.done = torch.cuda.Event()
-        else:
-            self.words, self.done = torch.zeros(2 + num_local, dtype=torch.int32), None
-
-    def read(self, stream: Optional["torch.cuda.Stream"]) -> tuple[int, list[int], int]:
-        """(received rows, aligned per-expert counts, error flag), once the launch queued on
-        `stream` (None: the current stream) is done."""
-        if self.done is not None:
-            self.done.record(stream)
-            self.done.synchronize()
-        words = self.words.tolist()
-        return words[0], words[2:], words[1]
-
-
 class DispatchPlan:
     """A dispatch of one call shape (`base.PreparedDispatch`), made with capacity-sized outputs.
     Template slots, in order: the caller's payload rows, topk_idx, weights (if any); the
