@@ -9,14 +9,21 @@ import torch
 _UNSET = object()
 
 
-def _tensor_field(name: str) -> property:
+def _tensor_field(name: str, rows: bool = False) -> property:
     """A tensor field of the handle: it reads the dispatch's tensor `name` (from `tensors`)
     until the caller assigns another value, which it then reads instead. What combine and
-    cached dispatch use is always the dispatch's own tensor (`handle.tensors[name]`)."""
+    cached dispatch use is always the dispatch's own tensor (`handle.tensors[name]`). With
+    `rows`, a view of its first `num_recv_tokens` rows where the tensor has more (a
+    synchronizing dispatch's exact sizes over a capacity-sized allocation), made when read."""
 
     def get(handle: "EPHandle"):
         value = handle.__dict__.get(name, _UNSET)
-        return handle.tensors[name] if value is _UNSET else value
+        if value is not _UNSET:
+            return value
+        value = handle.tensors[name]
+        if rows and value.shape[0] != handle.num_recv_tokens:
+            return value[:handle.num_recv_tokens]
+        return value
 
     def put(handle: "EPHandle", value) -> None:
         handle.__dict__[name] = value
@@ -100,7 +107,7 @@ class EPHandle:
     psum_num_recv_tokens_per_scaleup_rank = _tensor_field("psum_num_recv_tokens_per_scaleup_rank")
     psum_num_recv_tokens_per_expert = _tensor_field("psum_num_recv_tokens_per_expert")
     num_unaligned_recv_tokens_per_expert = _tensor_field("num_unaligned_recv_tokens_per_expert")
-    recv_src_metadata = _tensor_field("recv_src_metadata")
+    recv_src_metadata = _tensor_field("recv_src_metadata", rows=True)
     topk_idx = _tensor_field("topk_idx")
     dst_buffer_slot_idx = _tensor_field("dst_buffer_slot_idx")
 

@@ -171,15 +171,15 @@ def exact_result(result: DispatchResult, num_rows: int, per_expert: list[int]) -
     """A synchronizing dispatch's results from those of the same call made as a sync-free one
     (capacity-sized outputs, a handle of the capacity) and the counts it read (`HostCounts`):
     the outputs cut to their valid prefix (views: nothing is copied, and the views keep the
-    capacity allocations alive), the handle given the exact sizes, `do_cpu_sync` and
-    `num_recv_tokens_per_expert_list`. The error flag must have been raised already."""
+    capacity allocations alive), the handle given the exact sizes (its `recv_src_metadata`
+    then reads the valid prefix), `do_cpu_sync` and `num_recv_tokens_per_expert_list`. The
+    error flag must have been raised already."""
     handle = result.handle
     rows = sum(per_expert) if handle.do_expand else num_rows
     handle.do_cpu_sync = True
     handle.num_recv_tokens = num_rows
     handle.num_expanded_tokens = rows if handle.do_expand else 0
     handle.num_recv_tokens_per_expert_list = per_expert
-    handle.recv_src_metadata = handle.tensors.prefix("recv_src_metadata", num_rows)
     idx, weights = result.recv_topk_idx, result.recv_topk_weights
     return DispatchResult([row[:rows] for row in result.recv_rows],
                           None if idx is None else idx[:num_rows],

@@ -61,12 +61,6 @@ class TensorBlock(Mapping):
     def __len__(self) -> int:
         return len({**self.layout.parts, **self.extra})
 
-    def prefix(self, name: str, rows: int) -> torch.Tensor:
-        """The first `rows` rows of the int32 part `name`: one slice and one view (the part's
-        view, then a slice of it, would be four operations)."""
-        offset, shape, _ = self.layout.parts[name]
-        return self.block[offset:offset + rows * math.prod(shape[1:])].view(rows, *shape[1:])
-
     def arg(self, name: str):
         """Part `name` as a kernel argument: its tensor, or its `Address` in a stand-in block."""
         if isinstance(self.block, Address) and name not in self.extra:
