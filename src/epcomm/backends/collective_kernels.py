@@ -74,9 +74,9 @@ class KernelState:
     """What combine and a cached dispatch reuse besides the handle's tensors (its block also
     holds `pos`, [T, R] int32, each token's row among those sent to each rank, -1 where not
     sent, and `send_counts`, [R] int32): splits (exact blocks, synchronizing calls that
-    exchanged counts; None for padded blocks): records sent to / received from each rank, host lists, and recv_counts the
-    rows of the count exchange that hold the latter ([R, n] int64 on the device, row r's record
-    count at word _HEADER_WORDS - 1)."""
+    exchanged counts; None for padded blocks): records sent to / received from each rank,
+    host lists, and recv_counts the rows of the count exchange that hold the latter ([R, n]
+    int64 on the device, row r's record count at word _HEADER_WORDS - 1)."""
 
     send_splits: Optional[list[int]]
     recv_splits: Optional[list[int]]
