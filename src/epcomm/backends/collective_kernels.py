@@ -25,7 +25,8 @@ from .. import errors
 from ..handle import EPHandle
 from ..kernels import INTERPRET
 from ..kernels import collective as kernels
-from ..kernels.launcher import Address, Launcher, addresses_aligned, next_power_of_2
+from ..kernels.launcher import (Address, Launcher, addresses_aligned, next_power_of_2,
+                                vector_words)
 from ..layout import expand_capacity
 from .blocks import BlockLayout, TensorBlock
 from .base import (CombineRequest, DispatchRequest, DispatchResult, HostCounts,
@@ -83,11 +84,6 @@ class KernelState:
     recv_counts: Optional[torch.Tensor]
 
 
-def _vec(*words: int) -> int:
-    """The widest vector (4, 2 or 1 int32 words) that divides every size and offset."""
-    return next(v for v in (4, 2, 1) if all(w % v == 0 for w in words))
-
-
 @dataclass(frozen=True)
 class _Call:
     """What a dispatch's launches depend on besides its tensors and sizes: its call shape.
@@ -128,7 +124,7 @@ class _Call:
 
     @property
     def vec(self) -> int:
-        return _vec(self.w0, self.w1, self.off1)
+        return vector_words((self.w0, self.w1, self.off1))
 
     @property
     def idx_variant(self) -> tuple:

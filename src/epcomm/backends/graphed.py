@@ -24,7 +24,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from ..kernels.copy import copy_spans_kernel
-from ..kernels.launcher import Launcher, next_power_of_2
+from ..kernels.launcher import Launcher, next_power_of_2, vector_words
 
 # Calls whose inputs and outputs together are at most this many bytes take a graph. The copies
 # cost (inputs + outputs) * 2 bytes of device traffic, about 11 us per 16 MiB on an H100; a
@@ -33,7 +33,7 @@ from ..kernels.launcher import Launcher, next_power_of_2
 # tokens: 117 MB in and out, and the eager call is within 2x of its floor).
 GRAPH_BYTES = 32 << 20
 # Bytes of fixed buffers a backend's graphs keep: each graph holds its call's inputs, outputs
-# and scratch (`GraphedCall.nbytes`: at hidden 7168 and 128 tokens about 8 MB for a compact
+# and scratch (`graph_bytes`: at hidden 7168 and 128 tokens about 8 MB for a compact
 # dispatch and 35 MB for an expand one); call shapes past it launch their kernels.
 GRAPH_MEMORY = 256 << 20
 SPAN_WORDS = 2048  # int32 words per program of `copy_spans_kernel` (16 words per thread)
@@ -56,11 +56,6 @@ def graphable(nbytes: Sequence[int]) -> bool:
     """Whether a call whose inputs and outputs have `nbytes` may take a graph: few enough
     bytes (`GRAPH_BYTES`), each a whole number of int32 words."""
     return sum(nbytes) <= GRAPH_BYTES and all(n % 4 == 0 for n in nbytes)
-
-
-def _vec(words: Sequence[int]) -> int:
-    """The widest vector (4, 2 or 1 int32 words) that divides each of `words`."""
-    return next(v for v in (4, 2, 1) if all(w % v == 0 for w in words))
 
 
 def graph_bytes(inputs: Sequence[int], allocations: Sequence[tuple[tuple, torch.dtype, bool]],
@@ -101,8 +96,8 @@ class GraphedCall:
         self.copies = []  # (launcher, first row, rows) of the copy in, then out
         for inward, tensors, part, vec in (
                 (1, self.inputs, lengths[:len(inputs)],
-                 _vec([*lengths[:len(inputs)], *[unit // 4 for _, unit in inputs]])),
-                (0, fixed_outputs, lengths[len(inputs):], _vec(lengths[len(inputs):]))):
+                 vector_words([*lengths[:len(inputs)], *[unit // 4 for _, unit in inputs]])),
+                (0, fixed_outputs, lengths[len(inputs):], vector_words(lengths[len(inputs):]))):
             spans, programs = span_table(part, SPAN_WORDS)
             self.copies.append((Launcher(copy_spans_kernel, max(programs, 1), dict(
                 INWARD=inward, VEC=vec, BLOCK_W=SPAN_WORDS,
@@ -110,17 +105,16 @@ class GraphedCall:
                 len(rows), len(spans)))
             rows += [(tensor.data_ptr(), first) for tensor, (_, first) in zip(tensors, spans)]
         self.spans = _to_device(rows, device)
-        # Per span its per-call address, then (after every span's) its words. A warm-up that
-        # copies each fixed buffer onto itself compiles the copies (nothing may load a module
-        # during the capture).
-        n = len(rows)
-        self.table = _to_device([address for address, _ in rows] + lengths, device)
-        # The per-call addresses (and sizes) are written here, then copied: a copy from
-        # pageable memory is staged before it returns, so the next call may write again
-        # (torch.tensor of the list would cost 5-7 us more per call).
+        # The table: per span its per-call address, then (after every span's) its words. Each
+        # call writes them here, then copies them to the device: a copy from pageable memory is
+        # staged before it returns, so the next call may write again (torch.tensor of the list
+        # would cost 5-7 us more per call).
         self._host = torch.tensor([address for address, _ in rows] + lengths, dtype=torch.int64)
-        self._host_words = (ctypes.c_int64 * (2 * n)).from_address(self._host.data_ptr())
-        self._words_from = n
+        self._host_words = (ctypes.c_int64 * (2 * len(rows))).from_address(self._host.data_ptr())
+        self._words_from = len(rows)
+        self.table = self._host.to(device, non_blocking=True)
+        # A warm-up that copies each fixed buffer onto itself compiles the copies (nothing may
+        # load a module during the capture).
         self._copy(0)
         self._copy(1)
         values = [tensor.data_ptr() for tensor in (*self.inputs, *self.tensors)]

@@ -271,6 +271,12 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def vector_words(words: Sequence[int]) -> int:
+    """The widest vector access (4, 2 or 1 int32 words) that divides each of `words` (sizes and
+    offsets in int32 words)."""
+    return next(v for v in (4, 2, 1) if all(w % v == 0 for w in words))
+
+
 def addresses_aligned(addresses: Sequence[int]) -> bool:
     """Each address 16-byte aligned (what kept kernels are specialized on)."""
     return not reduce(operator.or_, addresses, 0) % 16
