@@ -64,8 +64,9 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
     collective.combine_pack_kernel: dict(
         rank_psum="i32", metadata="i32", w_ptr="fp32", fields_ptr="i64", seq_ptr="i64"),
     collective.combine_reduce_kernel: dict(
-        send_counts="i32", idx_ptr="i64", pos_ptr="i32", bias0="bf16", bias1="bf16",
-        out_ptr="bf16", w_out="fp32", fields_ptr="i64", seq_ptr="i64", flags_ptr="i32"),
+        send_counts="i32", rank_psum="i32", idx_ptr="i64", pos_ptr="i32", bias0="bf16",
+        bias1="bf16", out_ptr="bf16", w_out="fp32", fields_ptr="i64", seq_ptr="i64",
+        flags_ptr="i32"),
     # V1's low-latency mode: FP8 dispatch, bf16 combine (as `epcomm.low_latency` launches them)
     low_latency.ll_dispatch_send: dict(
         bases_ptr="i64", x_ptr="i16", idx_ptr="i64", mask_ptr="i32", epoch_ptr="i64",

@@ -13,6 +13,10 @@ import torch.distributed as dist
 
 pytest.importorskip("triton")
 
+from epcomm.kernels import INTERPRET  # noqa: E402  (before any kernel: picks the interpreter)
+from epcomm.kernels.collective import _block_starts  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
 from epcomm import Buffer  # noqa: E402
 from epcomm.backends.collective import CollectiveBackend  # noqa: E402
 from epcomm.testing.launch import run_local_ranks  # noqa: E402
@@ -229,6 +233,26 @@ def test_header_kernel_example() -> None:
         rows_ptr=rows, row_words=words, extra=1))
     assert rows.tolist() == [[5, *fields.tolist(), 3, 0, 3, 2, 1]]
     assert experts.tolist() == [0, 0] and seq.item() == 5
+
+
+@triton.jit
+def _starts_kernel(counts_ptr, out_ptr, own):
+    """`_block_starts` of the docstring example's counts into out_ptr."""
+    rr = tl.arange(0, 4)
+    counts = tl.load(counts_ptr + rr, mask=rr < 3, other=0)
+    tl.store(out_ptr + rr, _block_starts(counts, rr, 3, 7, 1, 1, own), mask=rr < 3)
+
+
+def test_block_starts_example() -> None:
+    """`kernels.collective._block_starts`' docstring example (R = 3, rank 1, exact blocks of
+    counts [2, 5, 1]), under the interpreter: the receiving side holds the own block first."""
+    if not INTERPRET:
+        pytest.skip("runs its kernel on CPU tensors under the Triton interpreter")
+    counts = torch.tensor([2, 5, 1], dtype=torch.int32)
+    starts = [torch.full((3,), -1, dtype=torch.int64) for _ in range(2)]
+    for own, out in zip((1, 0), starts):
+        _starts_kernel[(1,)](counts, out, own)
+    assert starts[0].tolist() == [6, 0, 9] and starts[1].tolist() == [0, 0, 3]
 
 
 def test_padded_sync_example() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -157,6 +158,25 @@ def run_prepared_shapes(backend: str, seed: int) -> int:
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_prepared_dispatch_across_call_shapes(backend: str) -> None:
     assert run_local_ranks(run_prepared_shapes, 1, backend, SEED, pg_backend="nccl") == [15]
+
+
+def run_empty_first(backend: str, seed: int) -> int:
+    """Calls without tokens first (empty tensors: an address of 0, which a kernel's first
+    compile types int32), then calls with tokens, whose addresses need int64 (their second
+    call of a shape prepared): every round trip bitwise against the reference."""
+    buffer = Buffer(dist.group.WORLD, 16, 256, 4, backend=backend)
+    cases = [Case(tokens="empty_last", do_cpu_sync=sync, do_expand=expand)
+             for expand in (False, True) for sync in (False, True)]
+    cases += [Case(tokens="full", do_cpu_sync=sync, do_expand=expand)
+              for _ in range(2) for expand in (False, True) for sync in (False, True)]
+    for count, case in enumerate(cases):
+        check_round_trip(buffer, replace(case, seed=seed + count))
+    return len(cases)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_calls_with_tokens_after_empty_ones(backend: str) -> None:
+    assert run_local_ranks(run_empty_first, 1, backend, SEED, pg_backend="nccl") == [12]
 
 
 def run_invalid_ids(backend: str, seed: int) -> str:

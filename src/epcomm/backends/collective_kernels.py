@@ -1,5 +1,8 @@
 """The collective backend's device path: dispatch and combine through the kernels of
-`epcomm.kernels.collective`, around the same all-to-all and wire format as its torch path.
+`epcomm.kernels.collective`, around the same all-to-all and wire format as its torch path,
+except that a rank's own block does not travel: the pack kernels write it straight into the
+receive buffer (first there), and where the caller's rows can be read instead its payload is
+not copied at all (`kernels.collective`'s docstring). At one rank no all-to-all is left.
 
 A dispatch is five launches and the all-to-all (count, pack, all-to-all, unpack, expert
 prefix, expand), a combine two and the all-to-all (pack, all-to-all, reduce); the torch path
@@ -25,8 +28,8 @@ from .. import errors
 from ..handle import EPHandle
 from ..kernels import INTERPRET
 from ..kernels import collective as kernels
-from ..kernels.launcher import (Address, Launcher, addresses_aligned, next_power_of_2,
-                                vector_words)
+from ..kernels.launcher import (Address, Launcher, address, addresses_aligned,
+                                next_power_of_2, vector_words)
 from ..layout import expand_capacity
 from .blocks import BlockLayout, TensorBlock
 from .base import (CombineRequest, DispatchRequest, DispatchResult, HostCounts,
@@ -38,8 +41,9 @@ if TYPE_CHECKING:
     from .collective import CollectiveBackend, _Record
 
 # Tiles (registers from `ptxas -v` for sm_90a, Triton 3.9, K = 8, R = 8, no spills): dispatch
-# kernels 16 rows x 512 words at 8 warps (pack 210, unpack 128, expand 125 registers);
-# combine kernels 8 rows x 1024 bf16 at 16 warps (84 and 83; 16 rows spill at 8 or 16 warps).
+# kernels 16 rows x 512 words at 8 warps (pack 198, unpack 176, expand 80 registers); combine
+# kernels 8 rows x 1024 bf16 at 16 warps (88 and 78; 16 rows spill at 8 or 16 warps). At 4096
+# tokens, EP=1 (H100, kernel us): unpack 43.8 at 16 x 512, 44.8 at 16 x 256, 45.9 at 8 x 512.
 ROWS = 16
 GROUP = 4          # rows per step of the expand ranking ([4, 8, 4, 8] pair comparisons)
 BLOCK_W = 512
@@ -143,16 +147,19 @@ class _Sizes:
     num_expanded: int                  # expand output rows (0 in the compact layout)
 
 
-def _block_rows(splits: Optional[list[int]], num_ranks: int, max_tokens: int) -> int:
-    """Rows of one side's buffer: per rank a header row, then its records (`splits`, or
-    `max_tokens` each for padded blocks when None)."""
-    return sum(splits) + num_ranks if splits is not None else num_ranks * (max_tokens + 1)
+def _blocks(splits: Optional[list[int]], num_ranks: int, max_tokens: int) -> list[int]:
+    """Rows of each rank's block: a header row, then its records (`splits`, or `max_tokens`
+    each for padded blocks when None)."""
+    return [max_tokens + 1] * num_ranks if splits is None else [n + 1 for n in splits]
 
 
-def _block_splits(splits: Optional[list[int]]) -> Optional[list[int]]:
-    """The all-to-all's rows per block for `splits` records: a header row each (None for
-    padded blocks, which are equal)."""
-    return None if splits is None else [n + 1 for n in splits]
+def _block_rows(splits: Optional[list[int]], num_ranks: int, max_tokens: int,
+                rank: Optional[int] = None) -> int:
+    """Rows of one side's buffer (`_blocks`): every block (a receiving buffer, its own block
+    first), or given this `rank` every block but its own (a sending buffer: the own block
+    never travels)."""
+    blocks = _blocks(splits, num_ranks, max_tokens)
+    return sum(blocks) - (blocks[rank] if rank is not None else 0)
 
 
 def _handle_block(call: _Call, layout: BlockLayout, block: torch.Tensor,
@@ -259,8 +266,9 @@ class DispatchPlan(_GraphedPlan):
               stream: Optional["torch.cuda.Stream"]) -> None:
         for at, (launcher, variant, template) in enumerate(self.launches):
             if at == 2:  # after count and pack
-                self.path.issue_on(stream, self.path.backend._all_to_all, "dispatch",
-                                   tensors[self._recv], tensors[self._send])
+                self.path.issue_on(stream, self.path.all_to_all, "dispatch",
+                                   tensors[self._recv], tensors[self._send], None, None,
+                                   self.call.max_tokens)
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
 
     def run(self, addresses: Sequence[int], topk_idx: torch.Tensor, alloc,
@@ -309,8 +317,8 @@ class SyncDispatchPlan(_Plan):
                               topk_idx)
         launcher, variant, template = pack
         launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
-        path.issue_on(stream, b._all_to_all, "dispatch", t["recv"], t["send"],
-                      _block_splits(sizes.recv_splits), _block_splits(sizes.send_splits))
+        path.issue_on(stream, path.all_to_all, "dispatch", t["recv"], t["send"],
+                      sizes.recv_splits, sizes.send_splits, call.max_tokens)
         for launcher, variant, template in rest:
             launcher.launch_filled(variant, stream, template.fill(values[:template.slots]))
         if flags:  # (only then: `issue_on` costs host time)
@@ -368,6 +376,21 @@ class KernelPath:
         self.raise_flags(flags)
         return exact_result(result, num_rows, per_expert)
 
+    def all_to_all(self, stage: str, recv: torch.Tensor, send: torch.Tensor,
+                   recv_splits: Optional[list[int]], send_splits: Optional[list[int]],
+                   max_tokens: int) -> None:
+        """The backend's all-to-all of a call's blocks between the ranks (`_blocks` of the
+        splits; none at one rank): this rank's own block, first in `recv`, was written there
+        by the pack kernel and does not travel."""
+        b = self.backend
+        if b.num_ranks == 1:
+            return
+        out, inp = (_blocks(splits, b.num_ranks, max_tokens)
+                    for splits in (recv_splits, send_splits))
+        own = out[b.rank]
+        out[b.rank] = inp[b.rank] = 0
+        b._all_to_all(stage, recv[own:], send, out, inp)
+
     def raise_flags(self, flags: int) -> None:
         """Raise (and clear) what a synchronizing dispatch read of this rank's error flag
         (`flags`, 0 for none; carried by its count exchange, or left with its counts), once the
@@ -401,7 +424,8 @@ class KernelPath:
         num_local = call.num_experts // R
         nbytes = call.record_words * 4
         i32 = torch.int32
-        out = [("send", (_block_rows(sizes.send_splits, R, M), nbytes), torch.uint8, False),
+        out = [("send", (_block_rows(sizes.send_splits, R, M, b.rank), nbytes), torch.uint8,
+                False),
                ("recv", (_block_rows(sizes.recv_splits, R, M), nbytes), torch.uint8, False),
                ("block", (self.handle_layout(call, sizes.num_rows).words,), i32, True),
                ("hist", (self.programs, max(num_local, 1)), i32, False)]
@@ -468,9 +492,10 @@ class KernelPath:
             call.idx_variant, dict(
                 idx_ptr=t["idx"], weights_ptr=t["weights"], has_w=int(call.has_w),
                 num_tokens=call.num_tokens, num_experts=E, num_ranks=R, rank=b.rank,
-                max_tokens=M, counts_ptr=t["counts"], send_addr=t["send"].data_ptr(),
-                record_words=call.record_words, p0_addr=t["p0"].data_ptr(), w0=call.w0,
-                p1_addr=t["p1"].data_ptr(), w1=call.w1, off1=call.off1,
+                max_tokens=M, counts_ptr=t["counts"], send_addr=address(t["send"]),
+                recv_addr=address(t["recv"]), record_words=call.record_words,
+                p0_addr=address(t["p0"]), w0=call.w0, p1_addr=address(t["p1"]), w1=call.w1,
+                off1=call.off1,
                 meta_off=call.meta_off, pos_ptr=h.arg("pos"),
                 slot_ptr=h.arg("dst_buffer_slot_idx"), send_counts_ptr=h.arg("send_counts"),
                 idx_copy=h.arg("topk_idx") if call.copy_idx else t["idx"],
@@ -478,8 +503,9 @@ class KernelPath:
                 bump=int(not exchanged), exact=exact)
         o0 = t["out0"] if not call.expand else t["p0"]
         o1 = t.get("out1", o0) if not call.expand else o0
-        layout = dict(recv_addr=t["recv"].data_ptr(), record_words=call.record_words,
-                      num_ranks=R, max_tokens=M, exact=exact, num_rows=num_rows,
+        layout = dict(recv_addr=address(t["recv"]), record_words=call.record_words,
+                      num_ranks=R, rank=b.rank, max_tokens=M, exact=exact, num_rows=num_rows,
+                      p0_in=address(t["p0"]), p1_in=address(t["p1"]),
                       num_local=num_local, w0=call.w0, w1=call.w1, off1=call.off1,
                       meta_off=call.meta_off, expand=int(call.expand),
                       zero_padding=int(call.zero_padding), has_w=int(call.has_w),
@@ -489,10 +515,10 @@ class KernelPath:
                                 BLOCK_E=min(block_e, 1024), BLOCK_F=kernels.BLOCK_F,
                                 ROWS=ROWS, VEC=vec, BLOCK_W=BLOCK_W, **common), \
             call.idx_variant, dict(
-                layout, rank=b.rank, counts_ptr=t["exact_counts"],
+                layout, counts_ptr=t["exact_counts"],
                 counts_stride=t["exact_counts"].shape[1] if exact else 0,
                 rank_psum_out=h.arg("psum_num_recv_tokens_per_scaleup_rank"),
-                p0_out=o0.data_ptr(), p1_out=o1.data_ptr(),
+                p0_out=address(o0), p1_out=address(o1),
                 idx_out=t["recv_idx"] if not call.expand else t["idx"], w_out=compact_w,
                 hist_ptr=t["hist"], check=int(not exchanged), fields_ptr=header,
                 seq_ptr=b._seq)
@@ -507,7 +533,7 @@ class KernelPath:
             alignment=call.alignment, capacity=bound,
             expert_counts=h.arg("num_unaligned_recv_tokens_per_expert"),
             expert_psum_out=h.arg("psum_num_recv_tokens_per_expert"),
-            p0_out=e0.data_ptr(), p1_out=e1.data_ptr(),
+            p0_out=address(e0), p1_out=address(e1),
             w_out=t["recv_w"] if call.has_w and call.expand else t["weights"],
             hist_ptr=t["hist"], read_counts=int(host is not None),
             counts_host=t["hist"] if host is None else host.words)
@@ -634,8 +660,8 @@ class KernelPath:
                                      sizes.send_splits is not None, sizes.num_rows,
                                      self._bound(call, sizes), host)
         pack[0](pack[1], None, pack[2])
-        b._all_to_all("dispatch", t["recv"], t["send"], _block_splits(sizes.recv_splits),
-                      _block_splits(sizes.send_splits))
+        self.all_to_all("dispatch", t["recv"], t["send"], sizes.recv_splits, sizes.send_splits,
+                        call.max_tokens)
         for launcher, variant, fields in rest:
             launcher(variant, None, fields)
         self.raise_flags(flags)
@@ -750,8 +776,8 @@ class KernelPath:
         pack, reduce = self._combine_launches(handle, weights is not None, biases, record,
                                               header, t)
         pack[0](pack[1], None, pack[2])
-        b._all_to_all("combine", t["returned"], t["send"], _block_splits(state.send_splits),
-                      _block_splits(state.recv_splits))
+        self.all_to_all("combine", t["returned"], t["send"], state.send_splits,
+                        state.recv_splits, handle.num_max_tokens_per_rank)
         reduce[0](reduce[1], None, reduce[2])
         return t["out"], t.get("w_out")
 
@@ -764,8 +790,8 @@ class KernelPath:
         R, M, H = b.num_ranks, handle.num_max_tokens_per_rank, b.config.hidden
         T, K = handle.tensors["topk_idx"].shape
         # (blocks run the other way: back along the dispatch's receive side)
-        out = [("send", (_block_rows(state.recv_splits, R, M), record.nbytes), torch.uint8,
-                False),
+        out = [("send", (_block_rows(state.recv_splits, R, M, b.rank), record.nbytes),
+                torch.uint8, False),
                ("returned", (_block_rows(state.send_splits, R, M), record.nbytes),
                 torch.uint8, False),
                ("out", (T, H), torch.bfloat16, True)]
@@ -788,20 +814,22 @@ class KernelPath:
                       BLOCK_H=BLOCK_H, num_warps=COMBINE_WARPS)
         record_words, meta_off = record.nbytes // 4, record.meta // 4
         pack = self._launcher(kernels.combine_pack_kernel, **common), vec, dict(
-            x_addr=t["x"].data_ptr(), hidden=H, num_ranks=R, max_tokens=M, exact=int(exact),
-            rank_psum=t["psum_num_recv_tokens_per_scaleup_rank"],
-            num_rows=handle.num_recv_tokens if exact else R * M, send_addr=t["send"].data_ptr(),
-            record_words=record_words, meta_off=meta_off, metadata=t["recv_src_metadata"],
-            expand=int(handle.do_expand), w_ptr=t["weights"], has_w=int(has_w),
-            fields_ptr=header, seq_ptr=b._seq, bump=int(not b._host_transport))
+            x_addr=address(t["x"]), hidden=H, num_ranks=R, rank=b.rank, max_tokens=M,
+            exact=int(exact), rank_psum=t["psum_num_recv_tokens_per_scaleup_rank"],
+            num_rows=handle.num_recv_tokens if exact else R * M, send_addr=address(t["send"]),
+            recv_addr=address(t["returned"]), record_words=record_words, meta_off=meta_off,
+            metadata=t["recv_src_metadata"], expand=int(handle.do_expand), w_ptr=t["weights"],
+            has_w=int(has_w), fields_ptr=header, seq_ptr=b._seq, bump=int(not b._host_transport))
         dtypes = [bias.dtype for bias in biases] or [torch.bfloat16]  # (no bias: `out`)
         bias0 = t["biases"][0] if biases else t["out"]
         bias1 = t["biases"][1] if len(biases) > 1 else bias0
         reduce = self._launcher(kernels.combine_reduce_kernel, **common), \
             (handle.tensors["topk_idx"].dtype, dtypes[0], dtypes[-1]), dict(
-                recv_addr=t["returned"].data_ptr(), record_words=record_words,
-                meta_off=meta_off, num_ranks=R, max_tokens=M, exact=int(exact),
-                send_counts=t["send_counts"], idx_ptr=t["topk_idx"], num_tokens=T,
+                recv_addr=address(t["returned"]), record_words=record_words,
+                meta_off=meta_off, num_ranks=R, rank=b.rank, max_tokens=M, exact=int(exact),
+                send_counts=t["send_counts"], x_addr=address(t["x"]),
+                rank_psum=t["psum_num_recv_tokens_per_scaleup_rank"],
+                expand=int(handle.do_expand), idx_ptr=t["topk_idx"], num_tokens=T,
                 num_experts=handle.num_experts, pos_ptr=t["pos"], bias0=bias0, bias1=bias1,
                 num_bias=len(biases), out_ptr=t["out"], hidden=H, has_w=int(has_w),
                 w_out=t["w_out"] if has_w else t["weights"],
@@ -826,7 +854,8 @@ class KernelPath:
             return None
         plan = CombinePlan(self, allocations, [(launcher, variant, launcher.template(fields, 0))
                                                for launcher, variant, fields in launches],
-                           self._combine_inputs(handle, callers))
+                           self._combine_inputs(handle, callers),
+                           handle.num_max_tokens_per_rank)
         remember(self.combine_plans, key, plan)
         return plan
 
@@ -869,14 +898,20 @@ class CombinePlan(_GraphedPlan):
     """A combine over NCCL of one call shape after a dispatch over padded blocks: the pack
     and reduce launches kept as templates (slots: the caller tensors of `_combine_callers`,
     then the allocations of `KernelPath._combine_allocations`: send and receive rows, the
-    outputs)."""
+    outputs; `max_tokens`: the handle's, which sizes the blocks)."""
+
+    def __init__(self, path: "KernelPath", allocations: Sequence[tuple[str, tuple, torch.dtype,
+                                                                       bool]],
+                 launches: list, inputs: Sequence[tuple[int, int]], max_tokens: int) -> None:
+        super().__init__(path, allocations, launches, inputs)
+        self.max_tokens = max_tokens
 
     def issue(self, values: Sequence[int], tensors: Sequence[torch.Tensor],
               stream: Optional["torch.cuda.Stream"]) -> None:
         (pack, pack_variant, pack_args), (reduce, reduce_variant, reduce_args) = self.launches
         pack.launch_filled(pack_variant, stream, pack_args.fill(values[:pack_args.slots]))
-        self.path.issue_on(stream, self.path.backend._all_to_all, "combine", tensors[1],
-                           tensors[0])
+        self.path.issue_on(stream, self.path.all_to_all, "combine", tensors[1], tensors[0],
+                           None, None, self.max_tokens)
         reduce.launch_filled(reduce_variant, stream,
                              reduce_args.fill(values[:reduce_args.slots]))
 

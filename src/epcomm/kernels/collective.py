@@ -26,6 +26,13 @@ are one contiguous chunk, `program_chunk`):
    programs' pairs + the program's earlier pairs in (row, slot) order), the expand payload and
    weights, and the gaps.
 
+A rank's own block does not travel: every buffer holds the other ranks' blocks in rank order,
+and a receiving one this rank's own block first, which the pack kernels write there directly
+(`_block_starts`). Its payload is not copied at all where the caller's rows can be read
+instead: the dispatch's unpack and expand read their own rows from the dispatch's x, and the
+compact combine's reduce reads them from the combine's x; only the expand combine's sums go
+through the own block.
+
 Combine: `combine_pack_kernel` (each received row, or in the expand layout the fp32 sum of its
 expand rows rounded once, back into the record it came in; headers), the all-to-all,
 `combine_reduce_kernel` (per token: biases, then the row of each rank in the order of the
@@ -68,27 +75,34 @@ BLOCK_F = 1 << len(errors.CALL_FIELDS).bit_length()  # the header's words as one
 
 @triton.jit
 def _i64_ptr(addr):
-    return addr.to(tl.pointer_type(tl.int64))
+    return addr.to(tl.int64).to(tl.pointer_type(tl.int64))
 
 
 @triton.jit
-def _block_starts(counts, rr, num_ranks, max_tokens, exact, BLOCK_R: tl.constexpr):
-    """First row (the header) of each rank's block: exact blocks (count + 1 rows each, in rank
-    order) or padded ones (max_tokens + 1 rows each)."""
-    sizes = tl.where(rr < num_ranks, counts + 1, 0)
-    exact_starts = sum_along(tl.where(rr[None, :] < rr[:, None], sizes[None, :], 0), 1)
-    return tl.where(exact != 0, exact_starts, rr * (max_tokens + 1)).to(tl.int64)
+def _block_starts(counts, rr, num_ranks, max_tokens, exact, rank, own):
+    """First row (the header) of each rank's block in a buffer: exact blocks (count + 1 rows
+    each) or padded ones (max_tokens + 1 rows each), this rank's own block first, then the
+    others in rank order. The own block never travels: `own` 1 for a receiving buffer, which
+    holds it (row 0), 0 for a sending one, which does not (its start is then meaningless).
+
+    Example (R = 3, rank 1, exact, counts [2, 5, 1]): receiving [6, 0, 9], sending [0, 0, 3]
+    (the own block's 0 unused)."""
+    sizes = tl.where(rr < num_ranks, tl.where(exact != 0, counts + 1, max_tokens + 1), 0)
+    sizes = tl.where(rr == rank, sizes * own, sizes)
+    key = tl.where(rr == rank, -1, rr)
+    return sum_along(tl.where(key[None, :] < key[:, None], sizes[None, :], 0), 1).to(tl.int64)
 
 
 @triton.jit
 def _rows_of(n, psum, counts, starts, rr):
-    """(inside, row) of compact rows n (source-major over the blocks whose counts and
-    inclusive prefix are given): the buffer row of each, and whether n is a received row."""
+    """(inside, row, source) of compact rows n (source-major over the blocks whose counts and
+    inclusive prefix are given): whether n is a received row, its buffer row and its block's
+    rank."""
     block = sum_along((psum[None, :] <= n[:, None]).to(tl.int32), 1)
     pick = rr[None, :] == block[:, None]
     first = sum_along(tl.where(pick, (psum - counts)[None, :], 0), 1)
     start = sum_along(tl.where(pick, starts[None, :], 0), 1)
-    return n < total(counts), start + 1 + (n - first)
+    return n < total(counts), start + 1 + (n - first), block
 
 
 @triton.jit
@@ -117,10 +131,11 @@ def _check_headers(buf_addr, record_words, starts, rmask, fields_ptr, seq_ptr, f
 
 
 @triton.jit
-def _write_headers(buf_addr, record_words, starts, counts, rmask, fields_ptr, seq_ptr, bump,
+def _write_headers(bases, record_words, starts, counts, rmask, fields_ptr, seq_ptr, bump,
                    BLOCK_F: tl.constexpr):
-    """Each block's header row: the call's sequence number (advanced first when `bump`), its
-    fields, the block's count. Program 0 only."""
+    """Each block's header row (block r in the buffer at address bases[r]): the call's
+    sequence number (advanced first when `bump`), its fields, the block's count. Program 0
+    only."""
     ff = tl.arange(0, BLOCK_F)
     seq = tl.load(seq_ptr) + bump
     if bump != 0:
@@ -128,7 +143,7 @@ def _write_headers(buf_addr, record_words, starts, counts, rmask, fields_ptr, se
     fields = tl.load(fields_ptr + ff - 1, mask=(ff >= 1) & (ff < NUM_FIELDS), other=0)
     row = tl.where(ff == 0, seq, fields)[None, :] + counts.to(tl.int64)[:, None] * 0
     row = tl.where(ff[None, :] == NUM_FIELDS, counts.to(tl.int64)[:, None], row)
-    tl.store(_i64_ptr(buf_addr + starts * record_words * 4)[:, None] + ff[None, :], row,
+    tl.store(_i64_ptr(bases + starts * record_words * 4)[:, None] + ff[None, :], row,
              mask=rmask[:, None] & (ff <= NUM_FIELDS)[None, :])
 
 
@@ -211,9 +226,10 @@ def header_kernel(counts_ptr, num_programs, num_ranks, flags_ptr, experts_ptr, n
 @triton.jit
 def _pack_field(src, num_words, field, send_addr, record_words, rows, live, tmask, num_ranks,
                 VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_R: tl.constexpr):
-    """Each token row src[i] (int32 pointers) loaded once, stored at word `field` of its
-    record row `rows[i, r]` for every rank r where `live[i, r]`."""
+    """Each token row src[i] (int32 pointers) loaded once if some `live[i, r]`, stored at word
+    `field` of its record row `rows[i, r]` for every rank r where `live[i, r]`."""
     num_words = tl.multiple_of(num_words, VEC)
+    tmask = tmask & (max_along(live, 1) > 0)
     for start in range(0, num_words, BLOCK_W):
         offs = start + tl.arange(0, BLOCK_W)
         wmask = columns(offs, num_words, VEC)
@@ -228,12 +244,13 @@ def _pack_field(src, num_words, field, send_addr, record_words, rows, live, tmas
 
 @_kernel("idx_ptr weights_ptr counts_ptr pos_ptr slot_ptr send_counts_ptr idx_copy fields_ptr seq_ptr")
 def pack_kernel(idx_ptr, weights_ptr, has_w, num_tokens, num_experts, num_ranks, rank,
-                max_tokens, counts_ptr, send_addr, record_words, p0_addr, w0, p1_addr, w1,
-                off1, meta_off, pos_ptr, slot_ptr, send_counts_ptr, idx_copy, copy_idx,
+                max_tokens, counts_ptr, send_addr, recv_addr, record_words, p0_addr, w0, p1_addr,
+                w1, off1, meta_off, pos_ptr, slot_ptr, send_counts_ptr, idx_copy, copy_idx,
                 fields_ptr, seq_ptr, bump, exact, K: tl.constexpr, BLOCK_K: tl.constexpr,
                 BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_F: tl.constexpr,
                 ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Records of this program's tokens into the send rows (see the module docstring)."""
+    """Records of this program's tokens into the send rows, and those for this rank into its
+    own block of the receive rows without their payload (see the module docstring)."""
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -244,11 +261,11 @@ def pack_kernel(idx_ptr, weights_ptr, has_w, num_tokens, num_experts, num_ranks,
                      mask=(pp < tl.num_programs(0))[:, None], other=0)
     running = total(tl.where((pp < pid)[:, None], counts, 0))
     sent_total = total(counts)
-    starts = _block_starts(sent_total, rr, num_ranks, max_tokens, exact, BLOCK_R)
+    starts = _block_starts(sent_total, rr, num_ranks, max_tokens, exact, rank, 0)
     if pid == 0:
         tl.store(send_counts_ptr + rr, sent_total, mask=rmask)
-        _write_headers(send_addr, record_words, starts, sent_total, rmask, fields_ptr, seq_ptr,
-                       bump, BLOCK_F)
+        _write_headers(tl.where(rr == rank, recv_addr, send_addr), record_words, starts,
+                       sent_total, rmask, fields_ptr, seq_ptr, bump, BLOCK_F)
     begin, end = program_chunk(num_tokens)
     for t0 in range(begin, end, ROWS):
         tt = t0 + tl.arange(0, ROWS)
@@ -263,26 +280,28 @@ def pack_kernel(idx_ptr, weights_ptr, has_w, num_tokens, num_experts, num_ranks,
             tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=hmask), mask=hmask)
         rows = starts[None, :] + 1 + positions
         live = (sent > 0) & tmask[:, None]
+        peers = live & (rr != rank)[None, :]  # (the own rows' payload stays in x)
         weights = tl.load(weights_ptr + t64[:, None] * K + kk[None, :],
                           mask=flag_mask(hmask, has_w), other=0.0).to(tl.int32, bitcast=True)
         src = (rank * max_tokens + tt + 1).to(tl.int32)
         for d in range(num_ranks):
             row = sum_along(tl.where(rr[None, :] == d, rows, 0), 1)
             go = tmask & (max_along(tl.where(rr[None, :] == d, live.to(tl.int32), 0), 1) > 0)
-            meta = i32_ptr(send_addr + row * record_words * 4) + meta_off
+            base = tl.where(d == rank, recv_addr, send_addr)
+            meta = i32_ptr(base + row * record_words * 4) + meta_off
             tl.store(meta, src, mask=go)
             tl.store(meta[:, None] + 1 + kk[None, :], (ids + 1).to(tl.int32),
                      mask=go[:, None] & kmask[None, :])
             tl.store(meta[:, None] + 1 + K + kk[None, :], weights,
                      mask=flag_mask(go[:, None] & kmask[None, :], has_w))
         _pack_field(word_ptrs(p0_addr + t64 * w0 * 4, VEC), w0, 0, send_addr, record_words,
-                    rows, live.to(tl.int32), tmask, num_ranks, VEC, BLOCK_W, BLOCK_R)
+                    rows, peers.to(tl.int32), tmask, num_ranks, VEC, BLOCK_W, BLOCK_R)
         _pack_field(word_ptrs(p1_addr + t64 * w1 * 4, VEC), w1, off1, send_addr, record_words,
-                    rows, live.to(tl.int32), tmask, num_ranks, VEC, BLOCK_W, BLOCK_R)
+                    rows, peers.to(tl.int32), tmask, num_ranks, VEC, BLOCK_W, BLOCK_R)
 
 
 @triton.jit
-def _received(recv_addr, record_words, rr, num_ranks, max_tokens, exact, counts_ptr,
+def _received(recv_addr, record_words, rr, num_ranks, rank, max_tokens, exact, counts_ptr,
               counts_stride, flags_ptr, BLOCK_R: tl.constexpr):
     """(counts, inclusive prefix, block starts) of the received blocks: exact blocks take the
     counts from the rows of the count exchange (int64 [R, counts_stride] at `counts_ptr`, the
@@ -293,34 +312,37 @@ def _received(recv_addr, record_words, rr, num_ranks, max_tokens, exact, counts_
         counts = tl.load(counts_ptr + rr * counts_stride + NUM_FIELDS, mask=rmask,
                          other=0).to(tl.int32)
     else:
-        header = _i64_ptr(recv_addr + rr.to(tl.int64) * (max_tokens + 1) * record_words * 4)
+        starts = _block_starts(rr, rr, num_ranks, max_tokens, 0, rank, 1)
+        header = _i64_ptr(recv_addr + starts * record_words * 4)
         counts = tl.load(header + NUM_FIELDS, mask=rmask, other=0).to(tl.int32)
         if max_along(counts, 0) > max_tokens:
             tl.atomic_or(flags_ptr, RECEIVE_OVERFLOW)
         counts = tl.minimum(tl.maximum(counts, 0), max_tokens)
     return counts, running_total(counts), _block_starts(counts, rr, num_ranks, max_tokens, exact,
-                                                         BLOCK_R)
+                                                         rank, 1)
 
 
 @_kernel("counts_ptr rank_psum_out idx_out w_out meta_out hist_ptr fields_ptr seq_ptr flags_ptr")
 def unpack_kernel(recv_addr, record_words, num_ranks, rank, max_tokens, num_local, exact,
-                  counts_ptr, counts_stride, rank_psum_out, num_rows, p0_out, w0, p1_out, w1, off1, meta_off,
+                  counts_ptr, counts_stride, rank_psum_out, num_rows, p0_in, p1_in, p0_out, w0,
+                  p1_out, w1, off1, meta_off,
                   expand, zero_padding, idx_out, w_out, has_w, meta_out, hist_ptr, check,
                   fields_ptr, seq_ptr, flags_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_F: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
                   BLOCK_W: tl.constexpr):
-    """Compact rows of the received blocks (see the module docstring). The metadata's
-    expand-row columns hold the local ids until `expand_kernel` replaces them; hist_ptr:
-    [P, E_l] int32, this program's pairs per local expert."""
+    """Compact rows of the received blocks (see the module docstring; the own block's payload
+    from the caller's rows p0_in, p1_in). The metadata's expand-row columns hold the local ids
+    until `expand_kernel` replaces them; hist_ptr: [P, E_l] int32, this program's pairs per
+    local expert."""
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     ee = tl.arange(0, BLOCK_E)
-    counts, psum, starts = _received(recv_addr, record_words, rr, num_ranks, max_tokens, exact,
-                                     counts_ptr, counts_stride, flags_ptr, BLOCK_R)
+    counts, psum, starts = _received(recv_addr, record_words, rr, num_ranks, rank, max_tokens,
+                                     exact, counts_ptr, counts_stride, flags_ptr, BLOCK_R)
     if pid == 0:
         tl.store(rank_psum_out + rr, psum, mask=rmask)
         if check != 0:
@@ -336,7 +358,7 @@ def unpack_kernel(recv_addr, record_words, num_ranks, rank, max_tokens, num_loca
         n = r0 + tl.arange(0, ROWS)
         nmask = n < end
         n64 = n.to(tl.int64)
-        inside, row = _rows_of(n, psum, counts, starts, rr)
+        inside, row, source = _rows_of(n, psum, counts, starts, rr)
         inside = inside & nmask
         rec = recv_addr + row * record_words * 4
         meta = i32_ptr(rec) + meta_off
@@ -362,10 +384,12 @@ def unpack_kernel(recv_addr, record_words, num_ranks, rank, max_tokens, num_loca
                               other=0)
             tl.store(w_out + n64[:, None] * K + kk[None, :], weights.to(tl.float32, bitcast=True),
                      mask=flag_mask(out_mask, has_w))
-            copy_rows(word_ptrs(rec, VEC), word_ptrs(p0_out + n64 * w0 * 4, VEC), inside, w0,
-                      VEC, BLOCK_W)
-            copy_rows(word_ptrs(rec + off1 * 4, VEC), word_ptrs(p1_out + n64 * w1 * 4, VEC),
-                      inside, w1, VEC, BLOCK_W)
+            own = source == rank
+            token = src.to(tl.int64) - 1 - rank * max_tokens
+            copy_rows(word_ptrs(tl.where(own, p0_in + token * w0 * 4, rec), VEC),
+                      word_ptrs(p0_out + n64 * w0 * 4, VEC), inside, w0, VEC, BLOCK_W)
+            copy_rows(word_ptrs(tl.where(own, p1_in + token * w1 * 4, rec + off1 * 4), VEC),
+                      word_ptrs(p1_out + n64 * w1 * 4, VEC), inside, w1, VEC, BLOCK_W)
             if zero_padding != 0:
                 _zero_masked(p0_out, n64, nmask & ~inside, w0, VEC, BLOCK_W)
                 _zero_masked(p1_out, n64, nmask & ~inside, w1, VEC, BLOCK_W)
@@ -387,16 +411,18 @@ def expert_prefix_kernel(hist_ptr, num_local, expert_counts_out, BLOCK_P: tl.con
 
 @_kernel("rank_psum expert_counts expert_psum_out w_out meta_out hist_ptr flags_ptr "
          "counts_host")
-def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_psum, num_rows,
-                  num_local, alignment, capacity, expert_counts, expert_psum_out, expand, p0_out,
-                  w0, p1_out, w1, off1, meta_off, zero_padding, w_out, has_w, meta_out,
-                  hist_ptr, flags_ptr, read_counts, counts_host, K: tl.constexpr,
+def expand_kernel(recv_addr, record_words, num_ranks, rank, max_tokens, exact, rank_psum,
+                  num_rows, num_local, alignment, capacity, expert_counts, expert_psum_out,
+                  expand, p0_in, p1_in, p0_out, w0, p1_out, w1, off1, meta_off, zero_padding,
+                  w_out, has_w, meta_out, hist_ptr, flags_ptr, read_counts, counts_host,
+                  K: tl.constexpr,
                   BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   GROUP: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr,
                   BLOCK_W: tl.constexpr):
     """Expand rows of every pair, in the metadata; in the expand layout the payload and
-    weights to those rows and the gaps (weights 0, payload 0 with zero padding). Rows: the
-    same program chunks as `unpack_kernel`, GROUP rows at a time. With `read_counts`, program 0
+    weights to those rows (the own block's payload from the caller's rows p0_in, p1_in) and
+    the gaps (weights 0, payload 0 with zero padding). Rows: the same program chunks as
+    `unpack_kernel`, GROUP rows at a time. With `read_counts`, program 0
     first stores [received rows, error flag, aligned rows per local expert] to counts_host
     (int32 [2 + num_local], host memory the host reads once the launch is done: a
     synchronizing dispatch over padded blocks; the flag holds what the earlier launches of the
@@ -422,7 +448,7 @@ def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_ps
     rank_counts = rank_counts - tl.load(rank_psum + rr - 1, mask=(rr >= 1) & (rr < num_ranks),
                                         other=0)
     psum = running_total(rank_counts)
-    block_starts = _block_starts(rank_counts, rr, num_ranks, max_tokens, exact, BLOCK_R)
+    block_starts = _block_starts(rank_counts, rr, num_ranks, max_tokens, exact, rank, 1)
     running = hist_ptr + pid * num_local
     begin, end = program_chunk(num_rows)
     gg = tl.arange(0, GROUP)
@@ -454,13 +480,15 @@ def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_ps
         tl.store(running + keys, base + rank_in + 1, mask=(keys >= 0) & is_last)
         tl.debug_barrier()  # the next group reads the counts just stored
         if expand != 0:
-            inside, row = _rows_of(n, psum, rank_counts, block_starts, rr)
+            inside, row, source = _rows_of(n, psum, rank_counts, block_starts, rr)
             inside = inside & nmask
             rec = recv_addr + row * record_words * 4
-            _expand_field(word_ptrs(rec, VEC), w0, i32_ptr(p0_out), meta, inside, K, VEC,
-                          BLOCK_W)
-            _expand_field(word_ptrs(rec + off1 * 4, VEC), w1, i32_ptr(p1_out), meta, inside, K,
-                          VEC, BLOCK_W)
+            own = source == rank
+            token = tl.load(meta, mask=inside & own, other=0).to(tl.int64) - rank * max_tokens
+            _expand_field(word_ptrs(tl.where(own, p0_in + token * w0 * 4, rec), VEC), w0,
+                          i32_ptr(p0_out), meta, inside, K, VEC, BLOCK_W)
+            _expand_field(word_ptrs(tl.where(own, p1_in + token * w1 * 4, rec + off1 * 4), VEC),
+                          w1, i32_ptr(p1_out), meta, inside, K, VEC, BLOCK_W)
             weights = tl.load(i32_ptr(rec)[:, None] + meta_off + 1 + K + kk[None, :],
                               mask=flag_mask(inside[:, None] & fits, has_w))
             tl.store(w_out + tl.where(fits, target, 0), weights.to(tl.float32, bitcast=True),
@@ -485,14 +513,16 @@ def expand_kernel(recv_addr, record_words, num_ranks, max_tokens, exact, rank_ps
 
 
 @_kernel("rank_psum metadata w_ptr fields_ptr seq_ptr")
-def combine_pack_kernel(x_addr, hidden, num_ranks, max_tokens, exact, rank_psum, num_rows,
-                        send_addr, record_words, meta_off, metadata, expand, w_ptr, has_w,
-                        fields_ptr, seq_ptr, bump, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                        BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ROWS: tl.constexpr,
-                        VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+def combine_pack_kernel(x_addr, hidden, num_ranks, rank, max_tokens, exact, rank_psum,
+                        num_rows, send_addr, recv_addr, record_words, meta_off, metadata,
+                        expand, w_ptr, has_w, fields_ptr, seq_ptr, bump, K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+                        ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """Each received compact row back into the record it came in (x: bf16 rows; in the expand
     layout the fp32 sum of the row's expand rows in slot order, rounded once), its weights
-    (expand: each slot's expand row's weight, 0 for none); program 0 writes the headers."""
+    (expand: each slot's expand row's weight, 0 for none); program 0 writes the headers. The
+    own block goes straight to its place in the receive rows (`recv_addr`), and in the compact
+    layout without its rows, which `combine_reduce_kernel` reads from x."""
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
@@ -501,17 +531,17 @@ def combine_pack_kernel(x_addr, hidden, num_ranks, max_tokens, exact, rank_psum,
     counts = tl.load(rank_psum + rr, mask=rmask, other=0)
     counts = counts - tl.load(rank_psum + rr - 1, mask=(rr >= 1) & rmask, other=0)
     psum = running_total(counts)
-    starts = _block_starts(counts, rr, num_ranks, max_tokens, exact, BLOCK_R)
+    starts = _block_starts(counts, rr, num_ranks, max_tokens, exact, rank, 0)
     if pid == 0:
-        _write_headers(send_addr, record_words, starts, counts, rmask, fields_ptr, seq_ptr, bump,
-                       BLOCK_F)
+        _write_headers(tl.where(rr == rank, recv_addr, send_addr), record_words, starts, counts,
+                       rmask, fields_ptr, seq_ptr, bump, BLOCK_F)
     begin, end = program_chunk(num_rows)
     for r0 in range(begin, end, ROWS):
         n = r0 + tl.arange(0, ROWS)
         n64 = n.to(tl.int64)
-        inside, row = _rows_of(n, psum, counts, starts, rr)
+        inside, row, source = _rows_of(n, psum, counts, starts, rr)
         inside = inside & (n < end)
-        rec = send_addr + row * record_words * 4
+        rec = tl.where(source == rank, recv_addr, send_addr) + row * record_words * 4
         hmask = inside[:, None] & kmask[None, :]
         if expand != 0:
             slot_rows = tl.load(metadata + n64[:, None] * (K + 2) + 2 + kk[None, :], mask=hmask,
@@ -532,30 +562,33 @@ def combine_pack_kernel(x_addr, hidden, num_ranks, max_tokens, exact, rank_psum,
                               & (slot_rows >= 0), other=0.0)
         else:
             copy_rows(word_ptrs(x_addr + n64 * hidden * 2, VEC // 2), word_ptrs(rec, VEC // 2),
-                      inside, hidden // 2, VEC // 2, BLOCK_H // 2)
+                      inside & (source != rank), hidden // 2, VEC // 2, BLOCK_H // 2)
             weights = tl.load(w_ptr + n64[:, None] * K + kk[None, :],
                               mask=flag_mask(hmask, has_w), other=0.0)
         tl.store(i32_ptr(rec)[:, None] + meta_off + kk[None, :],
                  weights.to(tl.int32, bitcast=True), mask=flag_mask(hmask, has_w))
 
 
-@_kernel("send_counts idx_ptr pos_ptr bias0 bias1 out_ptr w_out fields_ptr seq_ptr flags_ptr")
-def combine_reduce_kernel(recv_addr, record_words, meta_off, num_ranks, max_tokens, exact,
-                          send_counts, idx_ptr, num_tokens, num_experts, pos_ptr, bias0,
-                          bias1, num_bias, out_ptr, hidden, has_w, w_out, check, fields_ptr,
-                          seq_ptr, flags_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, ROWS: tl.constexpr,
-                          VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+@_kernel("send_counts rank_psum idx_ptr pos_ptr bias0 bias1 out_ptr w_out fields_ptr seq_ptr "
+         "flags_ptr")
+def combine_reduce_kernel(recv_addr, record_words, meta_off, num_ranks, rank, max_tokens, exact,
+                          send_counts, x_addr, rank_psum, expand, idx_ptr, num_tokens,
+                          num_experts, pos_ptr, bias0, bias1, num_bias, out_ptr, hidden, has_w,
+                          w_out, check, fields_ptr, seq_ptr, flags_ptr, K: tl.constexpr,
+                          BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+                          ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t] = bf16(0.0 + biases + the returned row of each rank in the order of the token's
     last slot per rank), fp32 sums, NaN canonical; w_out[t, k]: the weight returned for slot
-    k (0 for an invalid slot)."""
+    k (0 for an invalid slot). In the compact layout this rank's own row is read from x (the
+    combine's input: row rank_psum[rank - 1] + pos), where `combine_pack_kernel` left it."""
     pid = tl.program_id(0)
     rr = tl.arange(0, BLOCK_R)
     rmask = rr < num_ranks
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     counts = tl.load(send_counts + rr, mask=rmask, other=0)
-    starts = _block_starts(counts, rr, num_ranks, max_tokens, exact, BLOCK_R)
+    starts = _block_starts(counts, rr, num_ranks, max_tokens, exact, rank, 1)
+    own_first = tl.load(rank_psum + rank - 1, mask=rank > 0, other=0).to(tl.int64)
     if pid == 0:
         if check != 0:
             _check_headers(recv_addr, record_words, starts, rmask, fields_ptr, seq_ptr,
@@ -579,23 +612,26 @@ def combine_reduce_kernel(recv_addr, record_words, meta_off, num_ranks, max_toke
                                    starts[None, None, :], 0), 2)
         rows = first + 1 + pos
         recs = recv_addr + rows * record_words * 4
+        row_at = tl.multiple_of(t64 * hidden, VEC)  # (each output row's first element)
+        direct = (dest == rank) & (expand == 0)
+        parts = tl.where(direct, x_addr + (own_first + pos) * hidden * 2, recs)
         for h0 in range(0, hidden, BLOCK_H):
             hh = h0 + tl.arange(0, BLOCK_H)
             hmask = tmask[:, None] & columns(hh, hidden, VEC)[None, :]
             acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
             if num_bias > 0:
-                acc += tl.load(bias0 + t64[:, None] * hidden + hh[None, :], mask=hmask,
+                acc += tl.load(bias0 + row_at[:, None] + hh[None, :], mask=hmask,
                                other=0.0).to(tl.float32)
             if num_bias > 1:
-                acc += tl.load(bias1 + t64[:, None] * hidden + hh[None, :], mask=hmask,
+                acc += tl.load(bias1 + row_at[:, None] + hh[None, :], mask=hmask,
                                other=0.0).to(tl.float32)
             for k in tl.static_range(K):
                 live = max_along(tl.where(kk[None, :] == k, is_last.to(tl.int32), 0), 1) > 0
-                rec = sum_along(tl.where(kk[None, :] == k, recs, 0), 1)
+                rec = sum_along(tl.where(kk[None, :] == k, parts, 0), 1)
                 part = tl.load(half_ptrs(rec, VEC)[:, None] + hh[None, :],
                                mask=(tmask & live)[:, None] & hmask, other=0)
                 acc += bf16_to_f32(part)
-            tl.store(out_ptr + t64[:, None] * hidden + hh[None, :],
+            tl.store(out_ptr + row_at[:, None] + hh[None, :],
                      f32_to_bf16(acc).to(tl.bfloat16, bitcast=True), mask=hmask)
         if has_w != 0:
             hmask = tmask[:, None] & kmask[None, :]

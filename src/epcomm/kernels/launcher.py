@@ -30,7 +30,7 @@ from __future__ import annotations
 import operator
 from functools import reduce
 from dataclasses import dataclass, field
-from typing import Hashable, Mapping, Optional, Sequence
+from typing import Hashable, Mapping, Optional, Sequence, Union
 
 import torch
 from triton import knobs
@@ -98,7 +98,12 @@ class Launcher:
                 self.run_kept(kernel, stream, args + self.tail)
                 return
             except (TypeError, OverflowError):
-                pass  # the generic path, from now on
+                pass  # (see `run_kept`)
+        self._generic(variant, stream, args)
+
+    def _generic(self, variant: Optional[Hashable], stream, args: tuple) -> None:
+        """Launch through Triton's generic path (which compiles the kernel for these argument
+        types where needed) with the runtime arguments `args`, and keep its compiled kernel."""
         self.generic_launches += 1
         current = None
         if stream is not None:
@@ -137,13 +142,27 @@ class Launcher:
         try:
             kernel.run(*self.grid, raw, kernel.function, kernel.packed_metadata, metadata,
                        enter, _hook(knobs.runtime.launch_exit_hook), *args)
-        except (TypeError, OverflowError) as error:
+        except TypeError as error:
             # Rejected before launching: a Triton whose compiled kernels take their arguments
-            # differently, or an int that no longer fits the variant's i32 (the generic path
-            # picks the i64 one). Use the generic path from now on (filled arguments cannot
-            # take it: this call fails, later calls are not prepared).
+            # differently. The generic path from now on (later calls are not prepared).
             self.fast, self.fallback = False, repr(error)
             raise
+        # (OverflowError, also before launching: an int that does not fit the kept kernel's
+        # i32; `__call__` then takes the generic path, which compiles and keeps the i64
+        # variant. Address arguments are never 0, which would type them i32: `address`.)
+
+
+# The address passed for an empty tensor, which a kernel never dereferences: 0 (what
+# `data_ptr()` gives) would make Triton type the argument int32 when a kernel compiles, and a
+# kept kernel compiled so could not take a real address later.
+EMPTY_ADDRESS = 1 << 40
+
+
+def address(tensor) -> Union[int, "Address"]:
+    """`tensor.data_ptr()` as an int64 kernel argument (`EMPTY_ADDRESS` for 0); an `Address`
+    stand-in as it is."""
+    at = tensor.data_ptr()
+    return EMPTY_ADDRESS if isinstance(at, int) and at == 0 else at
 
 
 class Address:
