@@ -330,6 +330,17 @@ def test_launcher_binds_arguments_by_name():
     assert set(built) == set(names)  # the builder names every parameter, nothing else
 
 
+def test_address_of_an_empty_tensor_is_int64():
+    """`launcher.address`: a tensor's address, a large placeholder for an empty one (whose 0
+    Triton would type int32 when a kernel compiles), an `Address` stand-in as it is."""
+    from epcomm.kernels.launcher import EMPTY_ADDRESS, Address, address
+    full = torch.zeros(4, device=DEV)
+    assert address(full) == full.data_ptr() != 0
+    assert address(torch.zeros(0, device=DEV)) == EMPTY_ADDRESS >= 1 << 32
+    stand_in = Address(3)
+    assert address(stand_in) is stand_in
+
+
 def test_tensor_block_views_on_16_byte_boundaries():
     """`TensorBlock`: named views of one int32 allocation, each 16-byte aligned and not
     overlapping, made on first access; `address_of` gives each view's address without making
