@@ -75,7 +75,7 @@ BLOCK_F = 1 << len(errors.CALL_FIELDS).bit_length()  # the header's words as one
 
 @triton.jit
 def _i64_ptr(addr):
-    return addr.to(tl.int64).to(tl.pointer_type(tl.int64))
+    return addr.to(tl.pointer_type(tl.int64))
 
 
 @triton.jit

@@ -91,7 +91,7 @@ class CombineLayout:
 @triton.jit
 def half_ptrs(addr, VEC: tl.constexpr):
     """int64 byte addresses as pointers to 16-bit values, hinted 2*VEC-byte aligned."""
-    return tl.multiple_of(addr.to(tl.int64).to(tl.pointer_type(tl.int16)), 2 * VEC)
+    return tl.multiple_of(addr.to(tl.pointer_type(tl.int16)), 2 * VEC)
 
 
 @triton.jit

@@ -5,9 +5,8 @@ import triton.language as tl
 
 @triton.jit
 def i32_ptr(addr):
-    """An integer address as a pointer to int32 words (an address argument of 0, an empty
-    tensor's, is typed int32 by Triton: widened first)."""
-    return addr.to(tl.int64).to(tl.pointer_type(tl.int32))
+    """An int64 address as a pointer to int32 words."""
+    return addr.to(tl.pointer_type(tl.int32))
 
 
 @triton.jit
@@ -49,7 +48,7 @@ def flag_mask(mask, flag):
 def word_ptrs(addr, VEC: tl.constexpr):
     """int64 byte addresses (a block of row starts) as int32 pointers, hinted 4*VEC-byte aligned
     so that Triton emits VEC-word vector accesses."""
-    return tl.multiple_of(addr.to(tl.int64).to(tl.pointer_type(tl.int32)), 4 * VEC)
+    return tl.multiple_of(addr.to(tl.pointer_type(tl.int32)), 4 * VEC)
 
 
 @triton.jit

@@ -98,12 +98,7 @@ class Launcher:
                 self.run_kept(kernel, stream, args + self.tail)
                 return
             except (TypeError, OverflowError):
-                pass  # (see `run_kept`)
-        self._generic(variant, stream, args)
-
-    def _generic(self, variant: Optional[Hashable], stream, args: tuple) -> None:
-        """Launch through Triton's generic path (which compiles the kernel for these argument
-        types where needed) with the runtime arguments `args`, and keep its compiled kernel."""
+                pass  # the generic path, from now on
         self.generic_launches += 1
         current = None
         if stream is not None:
@@ -142,14 +137,14 @@ class Launcher:
         try:
             kernel.run(*self.grid, raw, kernel.function, kernel.packed_metadata, metadata,
                        enter, _hook(knobs.runtime.launch_exit_hook), *args)
-        except TypeError as error:
+        except (TypeError, OverflowError) as error:
             # Rejected before launching: a Triton whose compiled kernels take their arguments
-            # differently. The generic path from now on (later calls are not prepared).
+            # differently, or an int that no longer fits the variant's i32 (the generic path
+            # picks the i64 one; address arguments never start as 0, which would type them
+            # i32: `address`). Use the generic path from now on (filled arguments cannot take
+            # it: this call fails, later calls are not prepared).
             self.fast, self.fallback = False, repr(error)
             raise
-        # (OverflowError, also before launching: an int that does not fit the kept kernel's
-        # i32; `__call__` then takes the generic path, which compiles and keeps the i64
-        # variant. Address arguments are never 0, which would type them i32: `address`.)
 
 
 # The address passed for an empty tensor, which a kernel never dereferences: 0 (what
