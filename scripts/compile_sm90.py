@@ -13,11 +13,15 @@ need every program resident: P <= SMs x that). Exit status 1 if a kernel fails t
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import re
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ProcessPoolExecutor
+from itertools import repeat
+from typing import Optional
 
 os.environ["TRITON_INTERPRET"] = "0"  # before epcomm.kernels: compile, do not interpret
 
@@ -26,16 +30,23 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from epcomm.backends import collective_kernels as CK  # noqa: E402
+from epcomm.backends.symmetric.backend import _GPU_DECODE_TILE as DECODE  # noqa: E402
 from epcomm.backends.symmetric.backend import _GPU_TILE as TILE  # noqa: E402
 from epcomm import low_latency as LL  # noqa: E402
 from epcomm.kernels import collective, combine, dispatch, low_latency  # noqa: E402
+from epcomm.kernels.launcher import KernelShape  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 REGISTERS_PER_SM = 65536  # sm_90
-# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine));
-# the DeepSeek-V3 one with the GPU tile of backends/symmetric/backend.py
-SHAPES = {"dsv3": (8, 8, TILE["block_w"], TILE["block_h"], 4, 8), "test": (4, 1, 128, 256, 4, 8),
-          "odd": (3, 3, 32, 64, 1, 8)}
+# (K, R, words per dispatch copy step, bf16 per combine step, VEC (dispatch), VEC (combine),
+# the symmetric backend's tile, tokens per rank S); the DeepSeek-V3 ones with the GPU tiles of
+# backends/symmetric/backend.py (4096 tokens: the dispatch's grid-barrier paths, 128: its
+# one-block paths, `dispatch.one_block`)
+SHAPES = {"dsv3": (8, 8, TILE["block_w"], TILE["block_h"], 4, 8, TILE, 4096),
+          "decode": (8, 8, DECODE["block_w"], DECODE["block_h"], 4, 8, DECODE, 128),
+          "test": (4, 1, 128, 256, 4, 8, TILE, 64), "odd": (3, 3, 32, 64, 1, 8, TILE, 4096)}
+REPORTED = ("dsv3", "decode")  # shapes whose registers are reported
+SYMMETRIC_ONLY = ("decode",)  # shapes of the symmetric kernels' tiles alone
 POINTERS = {  # pointer arguments and their element types; every other argument is i32/i64
     dispatch.dispatch_kernel: dict(
         bases_ptr="i64", sync_ptr="i64", error_ptr="i32", counts_scratch="i32",
@@ -89,7 +100,7 @@ POINTERS = {  # pointer arguments and their element types; every other argument 
 
 
 def _constants(fn, shape) -> tuple[dict, int]:
-    K, R, block_w, block_h, vec, vec_h = shape
+    K, R, block_w, block_h, vec, vec_h, tile, tokens = shape
     base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R))
     if fn.__module__ == collective.__name__:
         return _collective_constants(fn, base, K, vec)
@@ -97,12 +108,15 @@ def _constants(fn, shape) -> tuple[dict, int]:
         tile = LL.GPU_TILES[fn.__name__]
         return _low_latency_constants(fn, base, R, tile), tile.num_warps
     if fn is combine.combine_kernel:
-        return dict(base, ROWS=TILE["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
-            TILE["combine_warps"]
+        return dict(base, ROWS=tile["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
+            tile["combine_warps"]
+    all_tokens, all_rows = dispatch.one_block(
+        KernelShape(R, K, vec, block_w, tile["rows"], 132, tile["num_warps"]), R * tokens)
     extra = dict(BLOCK_M=16, BLOCK_E=dispatch._BLOCK_E, BLOCK_T=dispatch._BLOCK_T, BLOCK_O=1,
-                 GROUP=dispatch.rank_group(TILE["rows"]))
-    return dict(base, ROWS=TILE["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
-        TILE["num_warps"]
+                 GROUP=dispatch.rank_group(tile["rows"]), ALL_TOKENS=all_tokens,
+                 ALL_ROWS=all_rows)
+    return dict(base, ROWS=tile["rows"], VEC=vec, BLOCK_W=block_w, BLOCK_P=256, **extra), \
+        tile["num_warps"]
 
 
 def _low_latency_constants(fn, base: dict, R: int, tile) -> dict:
@@ -187,34 +201,55 @@ def register_report(kernel, num_warps: int) -> str:
     return f", {registers} registers, {spills} spill bytes, {per_sm} program(s) per SM"
 
 
+def _jobs() -> list[tuple[str, int]]:
+    """(shape name, index into POINTERS) of every kernel to compile."""
+    kernels = list(POINTERS)
+    jobs = []
+    for shape_name in SHAPES:
+        for index, fn in enumerate(kernels):
+            if fn.__name__.startswith("ll_") and shape_name != "dsv3":
+                continue  # (the low-latency kernels: the DeepSeek-V3 shape only)
+            if shape_name in SYMMETRIC_ONLY and fn not in (dispatch.dispatch_kernel,
+                                                           combine.combine_kernel):
+                continue
+            jobs.append((shape_name, index))
+    return jobs
+
+
+def _report(job: tuple[str, int], ptx_folder: Optional[str]) -> tuple[bool, str]:
+    """(compiled, the kernel's line) of one job of `_jobs`."""
+    shape_name, index = job
+    fn, shape = list(POINTERS)[index], SHAPES[shape_name]
+    try:
+        kernel = compile_kernel(fn, shape)
+        ptx = kernel.asm["ptx"]
+    except Exception as error:  # noqa: BLE001 - report every kernel, then fail
+        return False, (f"{shape_name} {fn.__name__}: FAILED {type(error).__name__}: "
+                       f"{str(error).splitlines()[0] if str(error) else ''}")
+    wide = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.", ptx))
+    narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9:_]+)*\.b32\b", ptx))
+    registers = register_report(kernel, _constants(fn, shape)[1]) \
+        if shape_name in REPORTED else ""
+    if ptx_folder:
+        os.makedirs(ptx_folder, exist_ok=True)
+        with open(os.path.join(ptx_folder, f"{shape_name}-{fn.__name__}.ptx"), "w") as f:
+            f.write(ptx)
+    return True, f"{shape_name} {fn.__name__}: v4 accesses {wide}, 4-byte accesses {narrow}" \
+        f"{registers}"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ptx", help="write each kernel's PTX into this folder")
     args = parser.parse_args()
-    failed = False
-    for shape_name, shape in SHAPES.items():
-        for fn in POINTERS:
-            if fn.__name__.startswith("ll_") and shape_name != "dsv3":
-                continue  # (the low-latency kernels: the DeepSeek-V3 shape only)
-            try:
-                kernel = compile_kernel(fn, shape)
-                ptx = kernel.asm["ptx"]
-            except Exception as error:  # noqa: BLE001 - report every kernel, then fail
-                print(f"{shape_name} {fn.__name__}: FAILED {type(error).__name__}: "
-                      f"{str(error).splitlines()[0] if str(error) else ''}")
-                failed = True
-                continue
-            wide = len(re.findall(r"(?:ld|st)\.global(?:\.\w+)*\.v4\.", ptx))
-            narrow = len(re.findall(r"(?:ld|st)\.global(?:\.[a-z0-9:_]+)*\.b32\b", ptx))
-            registers = register_report(kernel, _constants(fn, shape)[1]) \
-                if shape_name == "dsv3" else ""
-            print(f"{shape_name} {fn.__name__}: v4 accesses {wide}, 4-byte accesses {narrow}"
-                  f"{registers}")
-            if args.ptx:
-                os.makedirs(args.ptx, exist_ok=True)
-                with open(os.path.join(args.ptx, f"{shape_name}-{fn.__name__}.ptx"), "w") as f:
-                    f.write(ptx)
-    return 1 if failed else 0
+    # One process per CPU core (forked after the imports): the compiles are independent and
+    # each one CPU-bound.
+    with ProcessPoolExecutor(os.cpu_count(), mp_context=multiprocessing.get_context("fork")) \
+            as pool:
+        results = list(pool.map(_report, _jobs(), repeat(args.ptx)))
+    for _, line in results:
+        print(line)
+    return 0 if all(ok for ok, _ in results) else 1
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class Target:
 TARGETS = {
     "dispatch": Target("dispatch", "dispatch_kernel", (
         "send-start",              # the program's chunk of tokens is known
+        "send-all-counted",        # one-block path: every token's destinations counted
         "send-counted",            # its tokens per destination counted
         "send-grid-barrier",       # every program has counted
         "send-peers-freed",        # every destination has copied out the previous call's records
@@ -67,6 +68,8 @@ TARGETS = {
         "receive-grid-barrier-2",  # every program has its experts' totals
         "receive-first-rows",      # every expert's first row (and expand-layout gaps)
         "receive-expand-rows",     # expand row of every pair
+        "receive-layout",          # one-block path: every expert's pairs, its first rows
+        "receive-rows-placed",     # one-block path: rows, metadata and expand rows written
         "receive-done",            # payload copied to expand rows, output tails cleared
     )),
     "ll-send": Target("low_latency", "ll_dispatch_send", (
@@ -307,11 +310,15 @@ def main():
     print("| mark | earliest us | median us | latest us | median phase us |\n"
           "|---|---:|---:|---:|---:|")
     for i, mark in enumerate(TARGETS[args.kernel].marks):
-        # (programs that do not pass a mark, such as ll_dispatch_local's counting ones, have
-        # no time there and are left out of its row)
+        # (programs that do not pass a mark, such as ll_dispatch_local's counting ones or
+        # the dispatch's on the path it does not take, have no time there and are left out of
+        # its row; a phase runs from the latest mark the program passed before)
         passed = trace[:, i] != 0
+        if not bool(passed.any()):
+            continue
         column = since[passed, i].tolist()
-        phase = (since[passed, i] - since[passed, i - 1]).tolist() if i else column
+        earlier = torch.where(trace[:, :i] != 0, since[:, :i], float("-inf"))
+        phase = (since[passed, i] - earlier[passed].max(1).values).tolist() if i else column
         print(f"| {mark} | {min(column):.1f} | {statistics.median(column):.1f} | "
               f"{max(column):.1f} | {statistics.median(phase):.1f} |")
 

@@ -191,6 +191,72 @@ def test_receive_times_out_instead_of_hanging():
     assert rank.counts[0].item() == 0  # the late source counts as empty
 
 
+def _dispatch_on(programs: int, topk_idx, x, weights, expand: bool, num_local: int):
+    """A dispatch of one rank on `programs` programs, as a send launch then a receive launch
+    (4 tokens per buffer row block S = 8, 2-row tiles): every output, by name."""
+    tokens, k = topk_idx.shape
+    shape = KernelShape(num_ranks=1, num_topk=k, vec=1, block_w=16, rows=2, programs=programs,
+                        num_warps=1)
+    layout = dispatch.RecordLayout(k, dispatch.payload_words([x]))
+    heap = torch.zeros(16 + 8 * layout.words, dtype=i32, device=DEV)
+    stage = Stage(_t([heap.data_ptr()], i64), 0, 0, 64, 8)
+    sync, error = torch.zeros(8, dtype=i64, device=DEV), _t(0, i32)
+    hist = torch.zeros(dispatch.hist_scratch_words(programs, 2, 8, num_local, k), dtype=i32,
+                       device=DEV)
+    capacity = 8 * k + num_local
+    out = dict(slots=torch.full((tokens, k), -7, dtype=i32, device=DEV),
+               idx_out=torch.full((8, k), -7, dtype=i64, device=DEV),
+               weights_out=torch.full((capacity if expand else 8,) + (() if expand else (k,)),
+                                      -7.0, device=DEV),
+               metadata=torch.full((8, k + 2), -7, dtype=i32, device=DEV),
+               rank_psum=torch.full((1,), -7, dtype=i32, device=DEV),
+               expert_counts=torch.full((num_local,), -7, dtype=i32, device=DEV),
+               expert_psum=torch.full((num_local,), -7, dtype=i32, device=DEV),
+               rows_out=[torch.full((capacity if expand else 8, x.shape[1]), -7, dtype=bf16,
+                                    device=DEV)])
+    send = dispatch.send_phase(torch.zeros(programs, dtype=i32, device=DEV),
+                               torch.zeros(tokens, dtype=i32, device=DEV), topk_idx, num_local,
+                               weights, [x], layout, out["slots"])
+    receive = dispatch.receive_phase(
+        hist, layout, max_tokens=8, num_local=num_local, alignment=2, capacity=capacity,
+        out_rows=8, expand=expand, zero_padding=True, tail=True,
+        **{name: value for name, value in out.items() if name != "slots"})
+    if expand:
+        receive.update(idx_out=receive["meta_out"])
+    variant = (i64, i32 if expand else i64)
+    for part in ("send", "receive"):
+        dispatch.run(shape, stage, layout, sync, error, TIMEOUT, send, receive,
+                     do_send=part == "send", do_receive=part == "receive", variant=variant)
+    assert int(error) == 0
+    return {name: value if name != "rows_out" else value[0] for name, value in out.items()}
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_one_block_paths_match_the_grid_barriers(expand, monkeypatch):
+    """The one-block paths (`dispatch.one_block`) wait for no other program of the launch, so
+    the interpreter, which runs programs one after another, runs them on 3 programs too (each
+    several tiles): equal to one program's, and to the grid-barrier paths' (forced by a limit
+    of 0), on random ids with -1 slots and an expert that gets nothing."""
+    gen = torch.Generator().manual_seed(7)
+    num_local, k = 6, 3
+    topk_idx = torch.randint(-1, num_local - 1, (7, k), generator=gen).to(DEV)
+    x = torch.randn(7, 4, generator=gen).bfloat16().to(DEV)
+    weights = torch.rand(7, k, generator=gen).to(DEV)
+    shape = KernelShape(1, k, 1, 16, 2, 3, 1)
+    assert dispatch.one_block(shape, 8) == (8, 8)
+    runs = [_dispatch_on(programs, topk_idx, x, weights, expand, num_local)
+            for programs in (3, 1)]
+    monkeypatch.setattr(dispatch, "_ONE_BLOCK", 0)
+    assert dispatch.one_block(shape, 8) == (0, 0)
+    runs.append(_dispatch_on(1, topk_idx, x, weights, expand, num_local))
+    for run in runs[1:]:
+        for name, value in runs[0].items():
+            if not (expand and name == "idx_out"):
+                assert torch.equal(value, run[name]), name
+    assert runs[0]["expert_counts"].tolist() == [
+        int((topk_idx == e).sum()) for e in range(num_local)]
+
+
 def test_combine_example():
     """`combine.combine`'s docstring example on one rank: the returned record, then the sums."""
     rank = OneRank()

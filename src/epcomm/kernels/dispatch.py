@@ -40,6 +40,13 @@ Receive part (the same P programs, the received rows split into P chunks):
    get -1 / 0 (payload 0 with zero padding);
 5. every program adds 1 to each source's free counter (release: its reads are done).
 
+One-block paths (`one_block`: decode sizes, where every token's destinations, and every
+received row's ids, fit one block of a program): the send part's steps 1-2 count all the tokens
+in every program instead of meeting at a grid barrier, and the receive part's steps 2-4 become
+one pass: every program counts every expert's pairs, and those in the rows before its own, with
+histograms over the received ids, so it knows its pairs' expand rows without the group counts
+and the two grid barriers. The same rows and order either way; and since no program waits for
+another of its launch, the interpreter runs them on several programs too.
 """
 from __future__ import annotations
 
@@ -123,6 +130,15 @@ def _destinations(idx_ptr, tt, tmask, num_experts, num_ranks, rr, K: tl.constexp
 
 
 @triton.jit
+def _copy_ids(idx_ptr, idx_copy, tt, tmask, K: tl.constexpr, BLOCK_K: tl.constexpr):
+    """idx_copy rows tt = idx_ptr rows tt, as they are."""
+    kk = tl.arange(0, BLOCK_K)
+    at = tt.to(tl.int64)[:, None] * K + kk[None, :]
+    mask = tmask[:, None] & (kk < K)[None, :]
+    tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=mask), mask=mask)
+
+
+@triton.jit
 def tile_positions(idx_ptr, tt, tmask, num_experts, num_ranks, rr, running, pos_ptr, slot_ptr,
                    stride, K: tl.constexpr, BLOCK_K: tl.constexpr, ROWS: tl.constexpr):
     """Places tokens tt (one tile, in token order) among the rows sent to each rank. running
@@ -182,7 +198,8 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
                num_experts, idx_copy, copy_idx, weights_ptr, has_w, p0_ptr, w0, off0, p1_ptr,
                w1, off1, slot_out, error_ptr, timeout, signature, K: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-               VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr):
+               VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr,
+               ALL_TOKENS: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -192,32 +209,48 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
     begin, end = program_chunk(num_tokens)
     # phase-mark: send-start
 
-    # 1. Tokens of this chunk per destination.
-    sent_here = tl.full([BLOCK_R], 0, tl.int32)
-    bad = tl.full([], 0, tl.int32)
-    for t0 in range(begin, end, ROWS):
-        tt = t0 + tl.arange(0, ROWS)
-        ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tt < end, num_experts, num_ranks,
-                                                 rr, K, BLOCK_K)
-        sent_here += total(sent)
-        bad += bad_ids
+    if ALL_TOKENS > 0:
+        # 1-2 without a grid barrier: every program counts all the tokens (one block) itself.
+        everything = tl.arange(0, ALL_TOKENS)
+        found = _destinations(idx_ptr, everything, everything < num_tokens, num_experts,
+                              num_ranks, rr, K, BLOCK_K)
+        sent, bad = found[2], found[3]
+        before = total(tl.where((everything < begin)[:, None], sent, 0))
+        sent_total = total(sent)
+        if (bad > 0) & (pid == 0):
+            tl.atomic_or(error_ptr, INVALID_EXPERT_ID)
+        # The call number, as `grid_barrier` counts it (the receive part reads it there).
+        call = tl.atomic_add(sync_ptr + 0, 1, sem="relaxed", scope="gpu") // num_programs + 1
         if copy_idx != 0:
-            at = tt.to(tl.int64)[:, None] * K + kk[None, :]
-            mask = (tt < end)[:, None] & kmask[None, :]
-            tl.store(idx_copy + at, tl.load(idx_ptr + at, mask=mask), mask=mask)
-    # phase-mark: send-counted
-    tl.store(counts_scratch + pid * BLOCK_R + rr, sent_here)
-    if bad > 0:
-        tl.atomic_or(error_ptr, INVALID_EXPERT_ID)
-    call = grid_barrier(sync_ptr + 0, error_ptr, DISPATCH_TIMEOUT, timeout)
+            for t0 in range(begin, end, ROWS):
+                tt = t0 + tl.arange(0, ROWS)
+                _copy_ids(idx_ptr, idx_copy, tt, tt < end, K, BLOCK_K)
+        # phase-mark: send-all-counted
+    else:
+        # 1. Tokens of this chunk per destination.
+        sent_here = tl.full([BLOCK_R], 0, tl.int32)
+        bad = tl.full([], 0, tl.int32)
+        for t0 in range(begin, end, ROWS):
+            tt = t0 + tl.arange(0, ROWS)
+            ids, dest, sent, bad_ids = _destinations(idx_ptr, tt, tt < end, num_experts,
+                                                     num_ranks, rr, K, BLOCK_K)
+            sent_here += total(sent)
+            bad += bad_ids
+            if copy_idx != 0:
+                _copy_ids(idx_ptr, idx_copy, tt, tt < end, K, BLOCK_K)
+        # phase-mark: send-counted
+        tl.store(counts_scratch + pid * BLOCK_R + rr, sent_here)
+        if bad > 0:
+            tl.atomic_or(error_ptr, INVALID_EXPERT_ID)
+        call = grid_barrier(sync_ptr + 0, error_ptr, DISPATCH_TIMEOUT, timeout)
 
-    # phase-mark: send-grid-barrier
-    # 2. This chunk's first position per destination, and every destination's total.
-    pp = tl.arange(0, BLOCK_P)  # every program's counts in one load: one L2 round trip
-    counts = tl.load(counts_scratch + pp[:, None] * BLOCK_R + rr[None, :],
-                     mask=(pp < num_programs)[:, None], other=0, cache_modifier=".cg")
-    before = total(tl.where((pp < pid)[:, None], counts, 0))
-    sent_total = total(counts)
+        # phase-mark: send-grid-barrier
+        # 2. This chunk's first position per destination, and every destination's total.
+        pp = tl.arange(0, BLOCK_P)  # every program's counts in one load: one L2 round trip
+        counts = tl.load(counts_scratch + pp[:, None] * BLOCK_R + rr[None, :],
+                         mask=(pp < num_programs)[:, None], other=0, cache_modifier=".cg")
+        before = total(tl.where((pp < pid)[:, None], counts, 0))
+        sent_total = total(counts)
 
     # 3. Every destination has copied out what this rank pushed the call before.
     await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
@@ -348,6 +381,107 @@ def _clear_rows(begin, end, meta_out, idx_out, w_out, expand, has_w, zero_paddin
 
 
 @triton.jit
+def _take_rows(rows, nmask, bases_ptr, rank, region_offset, stride_tokens, record_words, psum,
+               counts, rr, num_local, max_tokens, expand, has_w, idx_out, w_out, meta_out,
+               p0_out, w0, off0, p1_out, w1, off1, x0_ptr, x1_ptr, K: tl.constexpr,
+               BLOCK_K: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Compact rows `rows` (where nmask), but for their expand rows: the source metadata's
+    first two columns, and in the compact layout the payload, ids and weights. Returns (source
+    rank, record address, source token, local expert ids [ROWS, BLOCK_K], metadata rows)."""
+    kk = tl.arange(0, BLOCK_K)
+    n64 = rows.to(tl.int64)
+    source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
+                               rows, psum, counts, rr)
+    # The header loads are issued first and used after the payload copy, which hides their
+    # latency (using them first made every tile wait: 1.7 us of 90.5 on the H200); the token
+    # first: this rank's own rows are copied from it.
+    token = tl.load(i32_ptr(rec), mask=nmask)
+    keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
+    hmask = nmask[:, None] & (kk < K)[None, :]
+    weights = tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
+                      mask=flag_mask(hmask, has_w * (1 - expand)))
+    if expand == 0:
+        own = source == rank
+        copy_rows(_payload_rows(rec, off0, x0_ptr, w0, token, own, VEC),
+                  word_ptrs(p0_out + tl.multiple_of(n64 * w0, VEC), VEC), nmask, w0, VEC,
+                  BLOCK_W)
+        copy_rows(_payload_rows(rec, off1, x1_ptr, w1, token, own, VEC),
+                  word_ptrs(p1_out + tl.multiple_of(n64 * w1, VEC), VEC), nmask, w1, VEC,
+                  BLOCK_W)
+    meta = meta_out + n64 * (K + 2)
+    tl.store(meta, source * max_tokens + token, mask=nmask)
+    tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
+    if expand == 0:
+        tl.store(idx_out + n64[:, None] * K + kk[None, :], keys.to(idx_out.dtype.element_ty),
+                 mask=hmask)
+        tl.store(w_out + n64[:, None] * K + kk[None, :], weights, mask=flag_mask(hmask, has_w))
+    return source, rec, token, keys, meta
+
+
+@triton.jit
+def _expand_rows(rec, source, token, meta, nmask, rank, w_out, has_w, p0_out, w0, off0, p1_out,
+                 w1, off1, x0_ptr, x1_ptr, K: tl.constexpr, BLOCK_K: tl.constexpr,
+                 VEC: tl.constexpr, BLOCK_W: tl.constexpr):
+    """The expand layout's weights and payload of compact rows whose metadata rows `meta`
+    hold their expand rows (records `rec`, from rank `source`'s token `token`)."""
+    kk = tl.arange(0, BLOCK_K)
+    hmask = nmask[:, None] & (kk < K)[None, :]
+    targets = tl.load(meta[:, None] + 2 + kk[None, :], mask=hmask, other=-1)
+    tl.store(w_out + targets, tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :], mask=hmask),
+             mask=flag_mask(hmask & (targets >= 0), has_w))
+    own = source == rank
+    _expand_field(_payload_rows(rec, off0, x0_ptr, w0, token, own, VEC), w0, p0_out, meta,
+                  nmask, K, VEC, BLOCK_W)
+    _expand_field(_payload_rows(rec, off1, x1_ptr, w1, token, own, VEC), w1, p1_out, meta,
+                  nmask, K, VEC, BLOCK_W)
+
+
+@triton.jit
+def _expert_starts(pairs, e0, carry, num_local, alignment, expand, has_w, zero_padding,
+                   read_counts, counts_host, expert_psum_out, w_out, p0_out, w0, p1_out, w1,
+                   VEC: tl.constexpr, ROWS: tl.constexpr, BLOCK_W: tl.constexpr,
+                   BLOCK_E: tl.constexpr):
+    """Experts [e0, e0 + BLOCK_E) with `pairs` pairs each, after `carry` aligned rows of the
+    experts before: their aligned first rows (returned with the new carry), program 0's
+    per-expert prefix (and a synchronizing call's aligned counts), and the alignment gaps of
+    the experts e % P == pid (weights 0 and, with zero padding, payload 0)."""
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    ee = tl.arange(0, BLOCK_E)
+    emask = e0 + ee < num_local
+    aligned = (pairs + alignment - 1) // alignment * alignment
+    inclusive = carry + running_total(aligned)
+    starts = inclusive - aligned
+    if pid == 0:
+        tl.store(expert_psum_out + e0 + ee, tl.where(expand != 0, starts + pairs, inclusive),
+                 mask=emask)
+        if read_counts != 0:
+            tl.store(counts_host + 2 + e0 + ee, aligned, mask=emask)
+    if expand != 0:
+        first = e0 + (pid - e0 % num_programs + num_programs) % num_programs
+        for e in range(first, tl.minimum(e0 + BLOCK_E, num_local), num_programs):
+            at = ee == e - e0
+            gap_begin = total(tl.where(at, starts + pairs, 0))
+            gap_end = gap_begin + total(tl.where(at, aligned - pairs, 0))
+            if has_w != 0:
+                _zero_rows(w_out, gap_begin, gap_end, 1, 1, ROWS, 16)
+            if zero_padding != 0:
+                _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
+                _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
+    return starts, carry + total(aligned)
+
+
+@triton.jit
+def _report(read_counts, counts_host, num_rows, error_ptr):
+    """A synchronizing call's received rows and error flag, by program 0 into counts_host.
+    Every flag this call can raise is raised by then but the expand overflow, which its
+    capacity rules out."""
+    if (tl.program_id(0) == 0) & (read_counts != 0):
+        tl.store(counts_host, num_rows)
+        tl.store(counts_host + 1, tl.atomic_or(error_ptr, 0, sem="acquire", scope="gpu"))
+
+
+@triton.jit
 def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                   record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
                   capacity, out_rows, expand, zero_padding, tail, read_counts, counts_host,
@@ -357,7 +491,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
                   ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
-                  BLOCK_P: tl.constexpr):
+                  ALL_ROWS: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -384,175 +518,181 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
     begin, end = program_chunk(num_rows)
     # phase-mark: receive-ready
 
-    # 2. Per compact row: ids, weights, source metadata (local expert ids in the expand-row
-    # slots for now), compact payload. Per group of GROUP rows (program p's i-th group is
-    # group p * groups_per_program + i, so groups follow the rows): its pairs per local expert
-    # (group counts, expert-major [E_l, num_groups], zeroed first), and each pair's rank among
-    # the group's earlier pairs of its expert in (row, slot) order (a comparison of every two
-    # pairs of the group: small groups keep it cheap).
-    chunk = (num_rows + num_programs - 1) // num_programs
-    groups_per_program = (chunk + GROUP - 1) // GROUP
-    num_groups = num_programs * groups_per_program
-    first_group = pid * groups_per_program
-    first_rows = hist_ptr + pid * num_local  # this program's row of [P, E_l], filled in step 3
-    group_counts = hist_ptr + num_programs * num_local
-    pair_ranks = group_counts + num_local * num_groups  # [rows, K]
-    for group in range(first_group, first_group + groups_per_program):
+    first_rows = hist_ptr + pid * num_local  # this program's row of [P, E_l]
+    if ALL_ROWS == 0:
+        # 2. Per compact row: ids, weights, source metadata (local expert ids in the
+        # expand-row slots for now), compact payload. Per group of GROUP rows (program p's
+        # i-th group is group p * groups_per_program + i, so groups follow the rows): its
+        # pairs per local expert (group counts, expert-major [E_l, num_groups], zeroed first),
+        # and each pair's rank among the group's earlier pairs of its expert in (row, slot)
+        # order (a comparison of every two pairs of the group: small groups keep it cheap).
+        chunk = (num_rows + num_programs - 1) // num_programs
+        groups_per_program = (chunk + GROUP - 1) // GROUP
+        num_groups = num_programs * groups_per_program
+        first_group = pid * groups_per_program
+        group_counts = hist_ptr + num_programs * num_local
+        pair_ranks = group_counts + num_local * num_groups  # [rows, K]
+        for group in range(first_group, first_group + groups_per_program):
+            for e0 in range(0, num_local, BLOCK_E):
+                tl.store(group_counts + (e0 + ee) * num_groups + group,
+                         tl.full([BLOCK_E], 0, tl.int32), mask=e0 + ee < num_local)
+        tl.debug_barrier()
+        GROUPS: tl.constexpr = ROWS // GROUP  # groups per tile
+        PAIRS: tl.constexpr = GROUP * BLOCK_K  # pair slots per group
+        gg = tl.arange(0, GROUPS)
+        qq = tl.arange(0, PAIRS)
+        earlier = qq[None, :] < qq[:, None]
+        for r0 in range(begin, end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            source, rec, token, keys, meta = _take_rows(
+                rows, rows < end, bases_ptr, rank, region_offset, stride_tokens, record_words,
+                psum, counts, rr, num_local, max_tokens, expand, has_w, idx_out, w_out,
+                meta_out, p0_out, w0, off0, p1_out, w1, off1, x0_ptr, x1_ptr, K, BLOCK_K, VEC,
+                BLOCK_W)
+            row_group = first_group + (rows - begin) // GROUP
+            tl.atomic_add(group_counts + keys * num_groups + row_group[:, None], 1,
+                          mask=keys >= 0, sem="relaxed", scope="gpu")
+            grouped = tl.reshape(keys, [GROUPS, PAIRS])
+            in_group = sum_along((earlier[None, :, :]
+                                  & (grouped[:, None, :] == grouped[:, :, None])).to(tl.int32),
+                                 2)
+            pair_rows = (r0 + gg[:, None] * GROUP + qq[None, :] // BLOCK_K).to(tl.int64)
+            tl.store(pair_ranks + pair_rows * K + qq[None, :] % BLOCK_K, in_group,
+                     mask=grouped >= 0)
+            tl.store(meta[:, None] + 2 + kk[None, :], keys,
+                     mask=(rows < end)[:, None] & kmask[None, :])
+        # phase-mark: receive-rows-copied
+        grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
+
+        # phase-mark: receive-grid-barrier
+        # 3. Each program owns a contiguous share of the experts: for each, the group counts
+        # become exclusive prefixes over the groups (in place) and the total goes to the
+        # per-expert counts. BLOCK_O experts at a time, their columns side by side in one
+        # [BLOCK_O * BLOCK_T] block: one scan over the block, less each expert's start in it.
+        own_begin, own_end = program_chunk(num_local)
+        SCAN: tl.constexpr = BLOCK_O * BLOCK_T
+        oo = tl.arange(0, BLOCK_O)
+        flat = tl.arange(0, SCAN)
+        for e0 in range(own_begin, own_end, BLOCK_O):
+            columns_at = group_counts + (e0 + flat // BLOCK_T) * num_groups
+            carry = tl.full([BLOCK_O], 0, tl.int32)
+            for t0 in range(0, num_groups, BLOCK_T):
+                at_group = t0 + flat % BLOCK_T
+                fmask = (e0 + flat // BLOCK_T < own_end) & (at_group < num_groups)
+                per_group = tl.load(columns_at + at_group, mask=fmask, other=0,
+                                    cache_modifier=".cg")
+                per_expert = sum_along(tl.reshape(per_group, [BLOCK_O, BLOCK_T]), 1)
+                start = running_total(per_expert) - per_expert - carry  # in the scan, less carry
+                tl.store(columns_at + at_group, running_total(per_group) - per_group - tl.reshape(
+                    tl.broadcast_to(start[:, None], [BLOCK_O, BLOCK_T]), [SCAN]),
+                    mask=fmask)
+                carry += per_expert
+            tl.store(expert_count_out + e0 + oo, carry, mask=e0 + oo < own_end)
+        # phase-mark: receive-expert-totals
+        grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
+        # phase-mark: receive-grid-barrier-2
+        # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned
+        # first row, and the alignment gaps of the experts e % P == pid.
+        carry = tl.full([], 0, tl.int32)
         for e0 in range(0, num_local, BLOCK_E):
-            tl.store(group_counts + (e0 + ee) * num_groups + group,
-                     tl.full([BLOCK_E], 0, tl.int32), mask=e0 + ee < num_local)
-    tl.debug_barrier()
-    GROUPS: tl.constexpr = ROWS // GROUP  # groups per tile
-    PAIRS: tl.constexpr = GROUP * BLOCK_K  # pair slots per group
-    gg = tl.arange(0, GROUPS)
-    qq = tl.arange(0, PAIRS)
-    earlier = qq[None, :] < qq[:, None]
-    for r0 in range(begin, end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        nmask = rows < end
-        n64 = rows.to(tl.int64)
-        source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
-                                   rows, psum, counts, rr)
-        # The header loads are issued first and used after the payload copy, which hides
-        # their latency (using them first made every tile wait: 1.7 us of 90.5 on the H200);
-        # the token first: this rank's own rows are copied from it.
-        token = tl.load(i32_ptr(rec), mask=nmask)
-        keys = _local_keys(rec, nmask, rank, num_local, K, BLOCK_K)
-        hmask = nmask[:, None] & kmask[None, :]
-        weights = tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
-                          mask=flag_mask(hmask, has_w * (1 - expand)))
-        if expand == 0:
-            own = source == rank
-            copy_rows(_payload_rows(rec, off0, x0_ptr, w0, token, own, VEC),
-                      word_ptrs(p0_out + tl.multiple_of(n64 * w0, VEC), VEC), nmask, w0, VEC,
-                      BLOCK_W)
-            copy_rows(_payload_rows(rec, off1, x1_ptr, w1, token, own, VEC),
-                      word_ptrs(p1_out + tl.multiple_of(n64 * w1, VEC), VEC), nmask, w1, VEC,
-                      BLOCK_W)
-        row_group = first_group + (rows - begin) // GROUP
-        tl.atomic_add(group_counts + keys * num_groups + row_group[:, None], 1, mask=keys >= 0,
-                      sem="relaxed", scope="gpu")
-        grouped = tl.reshape(keys, [GROUPS, PAIRS])
-        in_group = sum_along((earlier[None, :, :]
-                              & (grouped[:, None, :] == grouped[:, :, None])).to(tl.int32), 2)
-        pair_rows = (r0 + gg[:, None] * GROUP + qq[None, :] // BLOCK_K).to(tl.int64)
-        tl.store(pair_ranks + pair_rows * K + qq[None, :] % BLOCK_K, in_group,
-                 mask=grouped >= 0)
-        meta = meta_out + n64 * (K + 2)
-        tl.store(meta, source * max_tokens + token, mask=nmask)
-        tl.store(meta + 1, max_along(tl.where(keys >= 0, kk[None, :], -1), 1), mask=nmask)
-        tl.store(meta[:, None] + 2 + kk[None, :], keys, mask=hmask)
-        if expand == 0:
-            tl.store(idx_out + n64[:, None] * K + kk[None, :],
-                     keys.to(idx_out.dtype.element_ty), mask=hmask)
-            tl.store(w_out + n64[:, None] * K + kk[None, :], weights,
-                     mask=flag_mask(hmask, has_w))
-    # phase-mark: receive-rows-copied
-    grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
-
-    # phase-mark: receive-grid-barrier
-    # 3. Each program owns a contiguous share of the experts: for each, the group counts
-    # become exclusive prefixes over the groups (in place) and the total goes to the
-    # per-expert counts. BLOCK_O experts at a time, their columns side by side in one
-    # [BLOCK_O * BLOCK_T] block: one scan over the block, less each expert's start in it.
-    own_begin, own_end = program_chunk(num_local)
-    SCAN: tl.constexpr = BLOCK_O * BLOCK_T
-    oo = tl.arange(0, BLOCK_O)
-    flat = tl.arange(0, SCAN)
-    for e0 in range(own_begin, own_end, BLOCK_O):
-        columns_at = group_counts + (e0 + flat // BLOCK_T) * num_groups
-        carry = tl.full([BLOCK_O], 0, tl.int32)
-        for t0 in range(0, num_groups, BLOCK_T):
-            at_group = t0 + flat % BLOCK_T
-            fmask = (e0 + flat // BLOCK_T < own_end) & (at_group < num_groups)
-            per_group = tl.load(columns_at + at_group, mask=fmask, other=0, cache_modifier=".cg")
-            per_expert = sum_along(tl.reshape(per_group, [BLOCK_O, BLOCK_T]), 1)
-            start = running_total(per_expert) - per_expert - carry  # in the scan, less carry
-            tl.store(columns_at + at_group, running_total(per_group) - per_group - tl.reshape(
-                tl.broadcast_to(start[:, None], [BLOCK_O, BLOCK_T]), [SCAN]),
-                mask=fmask)
-            carry += per_expert
-        tl.store(expert_count_out + e0 + oo, carry, mask=e0 + oo < own_end)
-    # phase-mark: receive-expert-totals
-    grid_barrier(sync_ptr + SYNC_RECEIVE, error_ptr, DISPATCH_TIMEOUT, timeout)
-    # phase-mark: receive-grid-barrier-2
-    # Then, BLOCK_E experts at a time (so E_l never recompiles): every expert's aligned first
-    # row, and the alignment gaps of the experts e % P == pid.
-    carry = tl.full([], 0, tl.int32)
-    for e0 in range(0, num_local, BLOCK_E):
-        emask = e0 + ee < num_local
-        pairs = tl.load(expert_count_out + e0 + ee, mask=emask, other=0, cache_modifier=".cg")
-        aligned = (pairs + alignment - 1) // alignment * alignment
-        inclusive = carry + running_total(aligned)
-        starts = inclusive - aligned
-        carry += total(aligned)
-        if pid == 0:
-            tl.store(expert_psum_out + e0 + ee, tl.where(expand != 0, starts + pairs, inclusive),
-                     mask=emask)
-            if read_counts != 0:
-                tl.store(counts_host + 2 + e0 + ee, aligned, mask=emask)
-        tl.store(first_rows + e0 + ee, starts, mask=emask)
+            pairs = tl.load(expert_count_out + e0 + ee, mask=e0 + ee < num_local, other=0,
+                            cache_modifier=".cg")
+            starts, carry = _expert_starts(pairs, e0, carry, num_local, alignment, expand,
+                                           has_w, zero_padding, read_counts, counts_host,
+                                           expert_psum_out, w_out, p0_out, w0, p1_out, w1,
+                                           VEC, ROWS, BLOCK_W, BLOCK_E)
+            tl.store(first_rows + e0 + ee, starts, mask=e0 + ee < num_local)
+        _report(read_counts, counts_host, num_rows, error_ptr)
+        # phase-mark: receive-first-rows
+        # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in
+        # earlier groups, plus its rank in the group. Tiles are independent.
+        overflow = tl.full([], 0, tl.int32)
+        tl.debug_barrier()
+        for r0 in range(begin, end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            n64 = rows.to(tl.int64)
+            hmask = (rows < end)[:, None] & kmask[None, :]
+            slots = meta_out + n64[:, None] * (K + 2) + 2 + kk[None, :]
+            keys = tl.load(slots, mask=hmask, other=-1)
+            valid = keys >= 0
+            row_group = first_group + (rows - begin) // GROUP
+            target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
+                + tl.load(group_counts + keys * num_groups + row_group[:, None], mask=valid,
+                          other=0, cache_modifier=".cg") \
+                + tl.load(pair_ranks + n64[:, None] * K + kk[None, :], mask=valid, other=0)
+            fits = target < capacity
+            overflow += total(total((valid & ~fits).to(tl.int32)))
+            tl.store(slots, tl.where(fits, target, -1), mask=valid)
+        # phase-mark: receive-expand-rows
+        tl.debug_barrier()
         if expand != 0:
-            # Weights 0 and, with zero padding, payload 0 in the gaps.
-            first = e0 + (pid - e0 % num_programs + num_programs) % num_programs
-            for e in range(first, tl.minimum(e0 + BLOCK_E, num_local), num_programs):
-                at = ee == e - e0
-                gap_begin = total(tl.where(at, starts + pairs, 0))
-                gap_end = gap_begin + total(tl.where(at, aligned - pairs, 0))
-                if has_w != 0:
-                    _zero_rows(w_out, gap_begin, gap_end, 1, 1, ROWS, 16)
-                if zero_padding != 0:
-                    _zero_rows(p0_out, gap_begin, gap_end, w0, VEC, ROWS, BLOCK_W)
-                    _zero_rows(p1_out, gap_begin, gap_end, w1, VEC, ROWS, BLOCK_W)
-
-    if (pid == 0) & (read_counts != 0):
-        # Every flag this call can raise is raised by now but the expand overflow, which a
-        # synchronizing call's capacity rules out.
-        tl.store(counts_host, num_rows)
-        tl.store(counts_host + 1, tl.atomic_or(error_ptr, 0, sem="acquire", scope="gpu"))
-    # phase-mark: receive-first-rows
-    # 4. Expand row of every pair: its expert's first row, plus the expert's pairs in earlier
-    # groups, plus its rank in the group. Tiles are independent.
-    overflow = tl.full([], 0, tl.int32)
-    tl.debug_barrier()
-    for r0 in range(begin, end, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        n64 = rows.to(tl.int64)
-        hmask = (rows < end)[:, None] & kmask[None, :]
-        slots = meta_out + n64[:, None] * (K + 2) + 2 + kk[None, :]
-        keys = tl.load(slots, mask=hmask, other=-1)
-        valid = keys >= 0
-        row_group = first_group + (rows - begin) // GROUP
-        target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
-            + tl.load(group_counts + keys * num_groups + row_group[:, None], mask=valid,
-                      other=0, cache_modifier=".cg") \
-            + tl.load(pair_ranks + n64[:, None] * K + kk[None, :], mask=valid, other=0)
-        fits = target < capacity
-        overflow += total(total((valid & ~fits).to(tl.int32)))
-        tl.store(slots, tl.where(fits, target, -1), mask=valid)
-    # phase-mark: receive-expand-rows
-    if overflow > 0:
-        tl.atomic_or(error_ptr, EXPAND_OVERFLOW)
-
-    tl.debug_barrier()
-    if expand != 0:
+            for r0 in range(begin, end, ROWS):
+                rows = r0 + tl.arange(0, ROWS)
+                nmask = rows < end
+                source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
+                                           record_words, rows, psum, counts, rr)
+                _expand_rows(rec, source, tl.load(i32_ptr(rec), mask=nmask),
+                             meta_out + rows.to(tl.int64) * (K + 2), nmask, rank, w_out, has_w,
+                             p0_out, w0, off0, p1_out, w1, off1, x0_ptr, x1_ptr, K, BLOCK_K,
+                             VEC, BLOCK_W)
+    else:
+        # 2-4 without grid barriers (every received row's ids fit one block of ALL_ROWS):
+        # every program counts every expert's pairs itself (and those in the rows before its
+        # own), so it knows the experts' first rows and its pairs' expand rows in one pass.
+        everything = tl.arange(0, ALL_ROWS)
+        records = _row_records(bases_ptr, rank, region_offset, stride_tokens, record_words,
+                               everything, psum, counts, rr)[1]
+        ids = tl.reshape(_local_keys(records, everything < num_rows, rank, num_local, K,
+                                     BLOCK_K), [ALL_ROWS * BLOCK_K])
+        before_mine = tl.reshape(tl.broadcast_to((everything < begin)[:, None],
+                                                 [ALL_ROWS, BLOCK_K]), [ALL_ROWS * BLOCK_K])
+        carry = tl.full([], 0, tl.int32)
+        for e0 in range(0, num_local, BLOCK_E):
+            inside = (ids >= e0) & (ids < e0 + BLOCK_E)
+            bins = tl.where(inside, ids - e0, 0)
+            pairs = tl.histogram(bins, BLOCK_E, mask=inside)
+            if pid == 0:
+                tl.store(expert_count_out + e0 + ee, pairs, mask=e0 + ee < num_local)
+            starts, carry = _expert_starts(pairs, e0, carry, num_local, alignment, expand,
+                                           has_w, zero_padding, read_counts, counts_host,
+                                           expert_psum_out, w_out, p0_out, w0, p1_out, w1,
+                                           VEC, ROWS, BLOCK_W, BLOCK_E)
+            tl.store(first_rows + e0 + ee,
+                     starts + tl.histogram(bins, BLOCK_E, mask=inside & before_mine),
+                     mask=e0 + ee < num_local)
+        _report(read_counts, counts_host, num_rows, error_ptr)
+        # phase-mark: receive-layout
+        QUAD: tl.constexpr = ROWS * BLOCK_K  # pair slots per tile
+        qq = tl.arange(0, QUAD)
+        earlier = qq[None, :] < qq[:, None]
+        overflow = tl.full([], 0, tl.int32)
         for r0 in range(begin, end, ROWS):
             rows = r0 + tl.arange(0, ROWS)
             nmask = rows < end
-            source, rec = _row_records(bases_ptr, rank, region_offset, stride_tokens,
-                                       record_words, rows, psum, counts, rr)
-            meta = meta_out + rows.to(tl.int64) * (K + 2)
-            hmask = nmask[:, None] & kmask[None, :]
-            targets = tl.load(meta[:, None] + 2 + kk[None, :], mask=hmask, other=-1)
-            tl.store(w_out + targets, tl.load(i32_ptr(rec)[:, None] + 1 + K + kk[None, :],
-                                              mask=hmask),
-                     mask=flag_mask(hmask & (targets >= 0), has_w))
-            token = tl.load(i32_ptr(rec), mask=nmask)
-            own = source == rank
-            _expand_field(_payload_rows(rec, off0, x0_ptr, w0, token, own, VEC), w0, p0_out,
-                          meta, nmask, K, VEC, BLOCK_W)
-            _expand_field(_payload_rows(rec, off1, x1_ptr, w1, token, own, VEC), w1, p1_out,
-                          meta, nmask, K, VEC, BLOCK_W)
+            tl.debug_barrier()  # first_rows as the tile before left it
+            source, rec, token, keys, meta = _take_rows(
+                rows, nmask, bases_ptr, rank, region_offset, stride_tokens, record_words, psum,
+                counts, rr, num_local, max_tokens, expand, has_w, idx_out, w_out, meta_out,
+                p0_out, w0, off0, p1_out, w1, off1, x0_ptr, x1_ptr, K, BLOCK_K, VEC, BLOCK_W)
+            # Expand row: the expert's first row for this program, plus its pairs in earlier
+            # tiles (added to first_rows below), plus its rank among the tile's pairs.
+            flat = tl.reshape(keys, [QUAD])
+            in_tile = sum_along((earlier & (flat[None, :] == flat[:, None])).to(tl.int32), 1)
+            valid = keys >= 0
+            target = tl.load(first_rows + keys, mask=valid, other=0, cache_modifier=".cg") \
+                + tl.reshape(in_tile, [ROWS, BLOCK_K])
+            fits = target < capacity
+            overflow += total(total((valid & ~fits).to(tl.int32)))
+            tl.store(meta[:, None] + 2 + kk[None, :], tl.where(valid & fits, target, -1),
+                     mask=nmask[:, None] & kmask[None, :])
+            tl.debug_barrier()  # every thread has read first_rows and written the metadata
+            tl.atomic_add(first_rows + keys, 1, mask=valid, sem="relaxed", scope="gpu")
+            if expand != 0:
+                _expand_rows(rec, source, token, meta, nmask, rank, w_out, has_w, p0_out, w0,
+                             off0, p1_out, w1, off1, x0_ptr, x1_ptr, K, BLOCK_K, VEC, BLOCK_W)
+        # phase-mark: receive-rows-placed
+    if overflow > 0:
+        tl.atomic_or(error_ptr, EXPAND_OVERFLOW)
     if tail != 0:  # capacity-sized outputs: everything past the valid prefix
         share = (out_rows - num_rows + num_programs - 1) // num_programs
         tail_begin = num_rows + pid * share
@@ -591,19 +731,21 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
                     ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
-                    BLOCK_P: tl.constexpr):
+                    BLOCK_P: tl.constexpr, ALL_TOKENS: tl.constexpr, ALL_ROWS: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                    record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr,
                    num_tokens, num_experts, idx_copy, copy_idx, weights_ptr, has_w,
                    p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, signature,
-                   K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, BLOCK_P)
-    # The send barrier's counter (slot SYNC_SEND) is P per call once every program has passed
-    # it: here in this launch's send part, or in an earlier launch of this stream. (Returning
-    # the send part's number instead, merged from two branches, cost the copies their 16-byte
-    # accesses in Triton 3.9: scripts/compile_sm90.py.)
-    call = tl.load(sync_ptr + 0, volatile=True) // tl.num_programs(0)
+                   K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, BLOCK_P, ALL_TOKENS)
+    # The send part's counter (slot 0) gains P per call, 1 from each program's send part: this
+    # program's has added, here in this launch or in an earlier launch of this stream, so
+    # the counter is past (call - 1) * P and at most call * P. (Returning the send part's
+    # number instead, merged from two branches, cost the copies their 16-byte accesses in
+    # Triton 3.9: scripts/compile_sm90.py.)
+    num_programs = tl.num_programs(0)
+    call = (tl.load(sync_ptr + 0, volatile=True) + num_programs - 1) // num_programs
     if do_receive != 0:
         _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                       record_words, sync_ptr, call, hist_ptr, max_tokens, num_local, alignment,
@@ -611,7 +753,7 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       counts_host, idx_out, w_out, has_w_out, meta_out, rank_psum_out,
                       expert_count_out, expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr,
                       p1_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E,
-                      BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, BLOCK_P)
+                      BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, ALL_ROWS)
 
 
 def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
@@ -624,15 +766,31 @@ def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],
     return topk_idx.dtype, idx_out_dtype
 
 
+def one_block(shape: KernelShape, max_rows: int) -> tuple[int, int]:
+    """(ALL_TOKENS, ALL_ROWS) of `dispatch_kernel` for a buffer receiving up to `max_rows` rows
+    (R * S): the blocks that hold every token's destinations ([S, K, R]) and every received
+    row's ids ([R * S, K]) when they fit `_ONE_BLOCK` elements (and the receive tile at most 64
+    pairs), else 0, the grid-barrier paths.
+
+    Example (GPU): R 1, S 128, K 8, 4-row tiles: (128, 128); S 4096: (0, 0)."""
+    block_k = next_power_of_2(shape.num_topk)
+    all_tokens = next_power_of_2(max_rows // shape.num_ranks)
+    all_rows = next_power_of_2(max_rows)
+    return (all_tokens if all_tokens * block_k * shape.block_r <= _ONE_BLOCK else 0,
+            all_rows if all_rows * block_k <= _ONE_BLOCK and shape.rows * block_k <= 64 else 0)
+
+
 def launcher(shape: KernelShape, layout: RecordLayout, max_rows: int) -> Launcher:
     """The `Launcher` of `dispatch_kernel` for records of `layout`, receiving up to `max_rows`
-    rows (R * S): an expert's prefix over the groups takes one step when they fit `_BLOCK_T`,
-    in a block no wider than the groups there can be, with as many experts side by side as
-    fill `_BLOCK_T`."""
+    rows (R * S): the one-block paths where they fit (`one_block`); on the grid-barrier path an
+    expert's prefix over the groups takes one step when they fit `_BLOCK_T`, in a block no
+    wider than the groups there can be, with as many experts side by side as fill `_BLOCK_T`."""
     block_t = min(_BLOCK_T, next_power_of_2(num_groups(shape.programs, shape.rows, max_rows)))
+    all_tokens, all_rows = one_block(shape, max_rows)
     return shape.launcher(dispatch_kernel, BLOCK_M=next_power_of_2(layout.num_topk + 2),
                           BLOCK_E=_BLOCK_E, BLOCK_T=block_t, BLOCK_O=_BLOCK_T // block_t,
-                          GROUP=rank_group(shape.rows))
+                          GROUP=rank_group(shape.rows), ALL_TOKENS=all_tokens,
+                          ALL_ROWS=all_rows)
 
 
 def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
@@ -672,6 +830,11 @@ def send_phase(counts_scratch, pos_scratch, topk_idx, num_experts: int,
 # element.
 _BLOCK_E = 16 if INTERPRET else 256
 _BLOCK_T = 16 if INTERPRET else 2048
+# Elements of the one-block paths' largest block (`one_block`): on the GPU the destinations of
+# 128 tokens at top-8 to 8 ranks, or the ids of 1024 received rows; under the interpreter small
+# enough that the CPU tests run both paths (2 ranks of 8 tokens at top-3 one block, 3 ranks the
+# grid barriers).
+_ONE_BLOCK = 64 if INTERPRET else 8192
 # Rows per rank group: the group's K * rows pairs are compared all with all, so the cost per
 # row grows with the group (the interpreter runs two groups per tile, as the GPU does four).
 _RANK_ROWS = 2 if INTERPRET else 4
