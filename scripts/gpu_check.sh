@@ -6,6 +6,7 @@
 #              benchmark
 #   symmetric8 the same check with 8 processes at 4096 tokens (66 s on the H200; the check keeps
 #              one call's capacity-sized outputs on the GPU at a time)
+#   symmetric128  the check with 2 and 4 processes at 128 tokens: the dispatch's one-block paths
 #   lifetime   scripts/gpu_lifetime.sh: receive-tensor lifetime, 2/4/8 processes, both policies
 #   cuda-tests the kernel examples on the GPU, then the CUDA pytest targets (sync-free, graph
 #              capture, matrix on 2 ranks, stream options, inputs dropped early, strided and
@@ -29,6 +30,7 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 source "$(dirname "$0")/steps.sh"
 [[ " ${SKIP:-} " == *" symmetric "* ]] || step symmetric "${SYMMETRIC_S:-170}" python3 scripts/gpu_symmetric.py --ranks 2 4
 [[ " ${SKIP:-} " == *" symmetric8 "* ]] || step symmetric8 "${SYMMETRIC8_S:-170}" python3 scripts/gpu_symmetric.py --ranks 8 --no-bench
+[[ " ${SKIP:-} " == *" symmetric128 "* ]] || step symmetric128 "${SYMMETRIC128_S:-120}" python3 scripts/gpu_symmetric.py --ranks 2 4 --tokens 128 --no-bench
 [[ " ${SKIP:-} " == *" lifetime "* ]] || LIFETIME_BUDGET_S=${LIFETIME_S:-280} LIFETIME_RUN_TIMEOUT_S=60 \
   step lifetime "$(( ${LIFETIME_S:-280} + 70 ))" bash scripts/gpu_lifetime.sh
 [[ " ${SKIP:-} " == *" cuda-tests "* ]] || step cuda-tests "${CUDA_TESTS_S:-330}" bash -c \
