@@ -191,6 +191,17 @@ def test_receive_times_out_instead_of_hanging():
     assert rank.counts[0].item() == 0  # the late source counts as empty
 
 
+def test_one_block_example(monkeypatch):
+    """`dispatch.one_block`'s docstring example, at the GPU's limit of 8192 elements."""
+    monkeypatch.setattr(dispatch, "_ONE_BLOCK", 8192)
+    decode = KernelShape(1, 8, 4, 2048, 4, 32, 8)
+    assert dispatch.one_block(decode, 128) == (128, 128)
+    assert dispatch.one_block(decode, 4096) == (0, 0)
+    # 8 ranks of 128 tokens still fit; a 16-row tile does not take the receive's block
+    assert dispatch.one_block(KernelShape(8, 8, 4, 2048, 4, 32, 8), 1024) == (128, 1024)
+    assert dispatch.one_block(KernelShape(1, 8, 4, 512, 16, 32, 8), 128) == (128, 0)
+
+
 def _dispatch_on(programs: int, topk_idx, x, weights, expand: bool, num_local: int):
     """A dispatch of one rank on `programs` programs, as a send launch then a receive launch
     (4 tokens per buffer row block S = 8, 2-row tiles): every output, by name."""
