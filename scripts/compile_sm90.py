@@ -107,9 +107,12 @@ def _constants(fn, shape) -> tuple[dict, int]:
     if fn.__name__.startswith("ll_"):  # (a low-latency kernel, or a traced copy of one)
         tile = LL.GPU_TILES[fn.__name__]
         return _low_latency_constants(fn, base, R, tile), tile.num_warps
-    if fn is combine.combine_kernel:
-        return dict(base, ROWS=tile["combine_rows"], VEC=vec_h, BLOCK_H=block_h), \
-            tile["combine_warps"]
+    if fn.__name__ == "combine_kernel":  # (the kernel, or a traced copy of it)
+        in_flight = combine.slots_in_flight(KernelShape(R, K, vec_h, block_h,
+                                                        tile["combine_rows"], 132,
+                                                        tile["combine_warps"]))
+        return dict(base, ROWS=tile["combine_rows"], VEC=vec_h, BLOCK_H=block_h,
+                    IN_FLIGHT=in_flight), tile["combine_warps"]
     all_tokens, all_rows = dispatch.one_block(
         KernelShape(R, K, vec, block_w, tile["rows"], 132, tile["num_warps"]), R * tokens)
     extra = dict(BLOCK_M=16, BLOCK_E=dispatch._BLOCK_E, BLOCK_T=dispatch._BLOCK_T, BLOCK_O=1,

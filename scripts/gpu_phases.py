@@ -4,7 +4,8 @@
         [--hidden 7168] [--expand]
     PYTHONPATH=src python3 scripts/gpu_phases.py --check-marks      (no GPU needed)
 
-Kernels (`--kernel`): `dispatch`, the symmetric backend's dispatch kernel; `ll-send`,
+Kernels (`--kernel`): `dispatch` and `combine`, the symmetric backend's two kernels (the
+combine traced after a sync-free dispatch of the same layout); `ll-send`,
 `ll-local`, `ll-recv`, `ll-combine-send`, `ll-reduce`, five kernels of V1's low-latency mode
 (FP8 dispatch, M = max(tokens, 128)). At EP=1 only the local dispatch (`ll_dispatch_local`, the
 dispatch of a one-rank group) and the reduce of those run (a combine received right away sends
@@ -71,6 +72,14 @@ TARGETS = {
         "receive-layout",          # one-block path: every expert's pairs, its first rows
         "receive-rows-placed",     # one-block path: rows, metadata and expand rows written
         "receive-done",            # payload copied to expand rows, output tails cleared
+    )),
+    "combine": Target("combine", "combine_kernel", (
+        "combine-start",           # the call number taken
+        "combine-peers-freed",     # every source has reduced the previous call's records
+        "combine-rows-returned",   # this program's rows written into the sources' staging
+        "combine-ready",           # every peer's rows of this call arrived, stamps checked
+        "combine-reduced",         # this program's tokens summed and written
+        "combine-done",            # every peer's free counter raised
     )),
     "ll-send": Target("low_latency", "ll_dispatch_send", (
         "ll-send-start",           # bases; the token's ids, the routing table or the row part
@@ -218,7 +227,7 @@ def _calls(key: str, tokens, hidden, topk, experts, expand, num_sms, device):
     """(label, warm-up call, traced call, buffer) of `key`'s kernel, whose traced copy is
     already patched in."""
     x, idx, w = example_data(tokens, hidden, topk, experts, device)
-    if key == "dispatch":
+    if key in ("dispatch", "combine"):
         from epcomm import Buffer
         buffer = Buffer(dist.group.WORLD, tokens, hidden, topk, backend="symmetric",
                         num_sms=num_sms)
@@ -231,9 +240,9 @@ def _calls(key: str, tokens, hidden, topk, experts, expand, num_sms, device):
             out = dispatch()
             buffer.combine(out[0], out[3], topk_weights=out[2])
 
-        label = (f"dispatch {'expand' if expand else 'compact'}, {buffer.num_sms} programs; "
-                 f"event time of the traced dispatch")
-        return label, both, dispatch, buffer
+        label = (f"{key} {'expand' if expand else 'compact'}, {buffer.num_sms} programs; "
+                 f"event time of the traced dispatch{' + combine' if key == 'combine' else ''}")
+        return label, both, dispatch if key == "dispatch" else both, buffer
     from epcomm.bench_paths import low_latency_pair
     buffer, M, dispatch, combine = low_latency_pair(x, idx, w, experts,
                                                     explicitly_destroy=True)
@@ -285,9 +294,10 @@ def phases(key: str, tokens, hidden, topk, experts, expand, num_sms):
 def main():
     parser = shape_parser()
     parser.add_argument("--kernel", choices=sorted(TARGETS), default="dispatch")
-    parser.add_argument("--expand", action="store_true", help="dispatch: the expand layout")
+    parser.add_argument("--expand", action="store_true",
+                        help="dispatch, combine: the expand layout")
     parser.add_argument("--num-sms", type=int, default=None,
-                        help="dispatch: programs (default: the backend's)")
+                        help="dispatch, combine: programs (default: the backend's)")
     parser.add_argument("--check-marks", action="store_true",
                         help="only check that every kernel's module has its phase marks")
     args = parser.parse_args()

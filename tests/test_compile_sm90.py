@@ -87,7 +87,8 @@ def test_phase_trace_finds_every_mark_and_compiles():
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     lines = run.stdout.splitlines()
-    assert len(lines) == 7, run.stdout  # the dispatch kernel twice, the 5 low-latency kernels
+    assert len(lines) == 8, run.stdout  # the dispatch kernel twice, the combine, the 5
+    # low-latency kernels
     # one timer read per mark beyond the kernel's own (timeouts); the dispatch's two builds
     # between them read it at every mark
     stamps, marks = {}, {}

@@ -308,6 +308,38 @@ def test_reduce_rounds_like_torch():
     assert torch.equal(out, (bias.float() + x.float()).bfloat16())
 
 
+@pytest.mark.parametrize("values", [64, 128, 32768])  # 1, 2 and all 3 slots' rows at once
+def test_expand_send_sums_slots_in_order(values, monkeypatch):
+    """The expand send's sums, whatever number of slots' rows it loads at once
+    (`combine.slots_in_flight`, 2 of K = 3 leaving a last pass of one): each record is the fp32
+    sum of the row's expert rows in slot order, rounded once, which the one-rank reduce returns
+    unchanged; slots without a row add nothing."""
+    monkeypatch.setattr(combine, "_VALUES_IN_FLIGHT", values)
+    hidden, tokens, k = 64, 6, 3
+    shape = KernelShape(1, k, 1, 16, 4, 1, 1)
+    assert combine.slots_in_flight(shape) == min(k, values // 64)
+    gen = torch.Generator().manual_seed(values)
+    x = (torch.randn(12, hidden, generator=gen) * 10 ** torch.randint(-3, 4, (12, 1),
+                                                                      generator=gen)).bfloat16()
+    targets = torch.randint(0, 12, (tokens, k), generator=gen)
+    targets[torch.rand(tokens, k, generator=gen) < 0.3] = -1
+    targets[1] = -1  # a row without any
+    layout = combine.CombineLayout(hidden, k)
+    rank = OneRank()
+    rank.heap = torch.zeros(4096, dtype=i32, device=DEV)
+    stage = Stage(_t([rank.heap.data_ptr()], i64), 0, 24, REGION, tokens)
+    meta = torch.cat([torch.arange(tokens).view(-1, 1), torch.zeros(tokens, 1, dtype=i64),
+                      targets], 1).to(i32).to(DEV)
+    out = torch.full((tokens, hidden), -7, dtype=bf16, device=DEV)
+    slots = torch.arange(tokens, dtype=i32).view(-1, 1).expand(tokens, k).contiguous()
+    combine.combine(shape, stage, layout, rank.sync, _t([tokens], i32), meta, x.to(DEV), None,
+                    True, slots.to(DEV), (), out, None, rank.error, TIMEOUT)
+    expected = torch.zeros(tokens, hidden)
+    for j in range(k):
+        expected += torch.where((targets[:, j] >= 0).view(-1, 1), x[targets[:, j]].float(), 0.0)
+    assert torch.equal(out.cpu(), expected.bfloat16()) and int(rank.error) == 0
+
+
 def test_launcher_reuses_the_compiled_variant():
     """A `Launcher` launches the generic way first, then (on the GPU) through the kept compiled
     kernel: both launches must do the same work; `variant=None` always goes the generic way."""

@@ -99,7 +99,7 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                  record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
                  weights_ptr, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, IN_FLIGHT: tl.constexpr):
     """Steps 1-3 of the send part (module docstring); returns the call number."""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -109,11 +109,13 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     hidden = tl.multiple_of(hidden, VEC)
     call = tl.atomic_add(sync_ptr + SYNC_COMBINE, 1, sem="relaxed", scope="gpu") \
         // num_programs + 1
-    await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
-
+    # phase-mark: combine-start
+    # (this rank's own tensors, loaded before the wait, which their latency then overlaps)
     psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
+    await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
+                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
+    # phase-mark: combine-peers-freed
     begin, end, pieces, per = _work_items(num_rows, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
         rows, piece, h0, h1 = _work_item(w, pieces, per, hidden, ROWS, BLOCK_H)
@@ -130,16 +132,15 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
         if expand != 0:
             # The row's expert rows summed in slot order in fp32, one bf16 rounding. A slot
             # without a row reads +0.0, which never changes an accumulator that started at
-            # +0.0 (so the order of docs/semantics.md is kept bit for bit); unrolled by two:
-            # two loads in flight, and at the 16 x 1024 tile this kernel stays within the 128
-            # registers 16 warps allow (all K unrolled: 64 bytes of spills, Triton 3.9).
+            # +0.0 (so the order of docs/semantics.md is kept bit for bit); IN_FLIGHT slots'
+            # loads at a time (`slots_in_flight`).
             targets = tl.load(meta[:, None] + kk[None, :], mask=hmask, other=-1)
             for start in range(h0, h1, BLOCK_H):
                 offs = start + tl.arange(0, BLOCK_H)
                 wmask = columns(offs, hidden, VEC)
                 acc = tl.full([ROWS, BLOCK_H], 0.0, tl.float32)
-                for j0 in range(0, K, 2):
-                    for jj in tl.static_range(2):
+                for j0 in range(0, K, IN_FLIGHT):
+                    for jj in tl.static_range(IN_FLIGHT):
                         j = j0 + jj
                         valid = nmask & (tl.full([ROWS], j, tl.int32) < K)  # (K may be odd)
                         src = tl.load(meta + j, mask=valid, other=-1).to(tl.int64)
@@ -163,6 +164,7 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
         # The weights go with the first piece of the row.
         tl.store(i32_ptr(rec)[:, None] + weight_offset + kk[None, :], weights,
                  mask=flag_mask(hmask, has_w * (piece == 0)))
+    # phase-mark: combine-rows-returned
     if tl.program_id(0) == 0:
         tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
                  stamp(signature, call), mask=rmask)
@@ -198,15 +200,15 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     kmask = kk < K
     hidden = tl.multiple_of(hidden, VEC)
     ready = own_counters(bases_ptr, rank, flags_offset, rr)
+    base = tl.load(bases_ptr + rank) + region_offset  # (loaded before the wait, as above)
+    own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
     await_counters(ready, rmask, call * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
     # Peers out of step, with other arguments or not arrived are flagged, and their rows are
     # left out (not mixed in: their slots count as -1).
     counted = stamped_words(ready, own_counters(bases_ptr, rank,
                                                 flags_offset + 2 * num_ranks * 8, rr),
                             rr, rmask, call, num_programs, signature, error_ptr) != 0
-
-    base = tl.load(bases_ptr + rank) + region_offset
-    own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
+    # phase-mark: combine-ready
     begin, end, pieces, per = _work_items(num_tokens, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
         tt, piece, h0, h1 = _work_item(w, pieces, per, hidden, ROWS, BLOCK_H)
@@ -256,7 +258,9 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             # fp32 bits; a NaN becomes the canonical quiet NaN (docs/semantics.md, NaN).
             weights = tl.where((weights & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, weights)
             tl.store(w_out + t64[:, None] * K + kk[None, :], weights, mask=hmask)
+    # phase-mark: combine-reduced
     add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask), rmask)
+    # phase-mark: combine-done
 
 
 @triton.jit(do_not_specialize=[
@@ -268,11 +272,12 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
                    weights_ptr, has_w, num_tokens, slot_ptr, bias0_ptr, bias1_ptr, num_biases,
                    out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature,
                    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
-                   ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+                   ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr,
+                   IN_FLIGHT: tl.constexpr):
     call = _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                         record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr,
                         expand, weights_ptr, has_w, hidden, error_ptr, timeout, signature, K,
-                        BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H)
+                        BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H, IN_FLIGHT)
     _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
                  num_biases, out_ptr, w_out, has_w_out, hidden, rank_psum_ptr, x_ptr, expand,
@@ -289,9 +294,23 @@ def variant(x: torch.Tensor, weights: Optional[torch.Tensor],
     return () if aligned(x, weights, *biases) else None
 
 
+# Row values an expand send loads at once per program: 32768 (64 KB of bf16). At the 16 x 1024
+# tile that is 2 slots' rows, what 16 warps' 128 registers a thread hold (all 8 slots at once:
+# 64 bytes of spills, Triton 3.9); the decode tile of 4 x 1024 loads all 8 slots' rows at once.
+_VALUES_IN_FLIGHT = 32768
+
+
+def slots_in_flight(shape: KernelShape) -> int:
+    """IN_FLIGHT: the slots whose rows an expand send loads at once (one round trip to memory
+    per IN_FLIGHT slots and hidden step), at most K.
+
+    Example: K 8, 16 rows x 1024 per step: 2; 4 rows x 1024: 8."""
+    return max(1, min(shape.num_topk, _VALUES_IN_FLIGHT // (shape.rows * shape.block_w)))
+
+
 def launcher(shape: KernelShape) -> Launcher:
     """The `Launcher` of `combine_kernel`."""
-    return shape.launcher(combine_kernel, width="BLOCK_H")
+    return shape.launcher(combine_kernel, width="BLOCK_H", IN_FLIGHT=slots_in_flight(shape))
 
 
 def arguments(stage: Stage, layout: CombineLayout, sync, rank_psum, metadata, x,

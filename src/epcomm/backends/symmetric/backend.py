@@ -39,9 +39,11 @@ _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=102
 # 2048 words, the same 32 KB per step in 2 steps along 7168 bf16 instead of 7. Measured
 # (scripts/gpu_tune.py --tokens 128, H200, EP=1, 32 programs; compact / expand dispatch us):
 # 16 x 512: 23.6 / 44.4; 4 x 2048 x 8 warps: 19.5 / 29.0; 4 x 1024 x 4: 19.7 / 28.6; 8 x 1024:
-# 21.5 / 36.2. The combine spreads few rows over its programs by itself (its work items) and
-# measured the same with 4 x 4096 (12.7 / 21.0 us against 12.9 / 20.5), so it keeps its tile.
-_GPU_DECODE_TILE = dict(_GPU_TILE, rows=4, block_w=2048)
+# 21.5 / 36.2. The combine: 4 rows x 1024, so that an expand send loads all K slots' rows of
+# a step at once (`kernels.combine.slots_in_flight`; at 16 x 1024 two at a time, K / 2 round
+# trips per step); with 2 at a time it measured the same at 4 x 4096 as at 16 x 1024 (12.7 /
+# 21.0 us against 12.9 / 20.5, compact / expand).
+_GPU_DECODE_TILE = dict(_GPU_TILE, rows=4, block_w=2048, combine_rows=4)
 # Tokens per program of the default grid, and its least programs. At 128 tokens (EP=1, hidden
 # 7168, top-8, 256 experts, H200) the kernels' fixed costs shrink with more programs up to
 # about 32: dispatch compact / expand 39.3 / 78.1 us of kernel time on 8 programs (one per 16
