@@ -44,15 +44,12 @@ _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=102
 # trips per step); with 2 at a time it measured the same at 4 x 4096 as at 16 x 1024 (12.7 /
 # 21.0 us against 12.9 / 20.5, compact / expand).
 _GPU_DECODE_TILE = dict(_GPU_TILE, rows=4, block_w=2048, combine_rows=4)
-# Tokens per program of the default grid, and its least programs. At 128 tokens (EP=1, hidden
-# 7168, top-8, 256 experts, H200) the kernels' fixed costs shrink with more programs up to
-# about 32: dispatch compact / expand 39.3 / 78.1 us of kernel time on 8 programs (one per 16
-# tokens), 23.6 / 44.0 on 32; 64 programs traced no faster than 32. The fixed work (the
-# per-expert steps) does not shrink with the tokens, so a buffer for fewer tokens keeps 32
-# programs (one program for M = 1 made a graph replay of dispatch + combine 115 us against 48
-# at M = 128, H100). 4096 tokens take every SM either way.
-_TOKENS_PER_PROGRAM = 4
-_MIN_PROGRAMS = 32
+# The default grid is every SM, at every size. At 128 tokens (EP=1, hidden 7168, top-8, 256
+# experts) the kernels' fixed steps no longer grow with the programs (the dispatch's one-block
+# paths count everything in every program; the combine's work items split the hidden
+# dimension), while the expand layout's 14.7 MB of rows, written by the dispatch and read by
+# the combine, take an SM's share of bandwidth per program: see docs/perf-notes.md
+# (Decode-size batches) for the times on 32, 64 and 132 programs.
 _CPU_TILE = dict(rows=4, block_w=64, num_warps=1, combine_rows=4, block_h=64, combine_warps=1)
 
 
@@ -154,17 +151,13 @@ class SymmetricBackend(Backend):
         return self._num_sms
 
     def _programs(self, num_sms: Optional[int]) -> int:
-        """P, the programs of every kernel: `num_sms` if given, else one per
-        `_TOKENS_PER_PROGRAM` tokens, at least `_MIN_PROGRAMS`, up to the SM count. Every
+        """P, the programs of every kernel: `num_sms` if given, else the SM count. Every
         program of a launch must be resident at once (grid barriers), so at most the SM count;
         1 under the interpreter, which runs programs one after another."""
         if INTERPRET or self.device.type != "cuda":
             return 1
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        if num_sms is None:
-            num_sms = max(_MIN_PROGRAMS,
-                          -(-self.config.num_max_tokens_per_rank // _TOKENS_PER_PROGRAM))
-        return max(1, min(int(num_sms), sms))
+        return max(1, min(int(sms if num_sms is None else num_sms), sms))
 
     def receive_scratch(self, num_local: int, stream=None) -> torch.Tensor:
         """The receive part's scratch for `num_local` experts (grown on `stream`, the one the
