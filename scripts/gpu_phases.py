@@ -11,7 +11,7 @@ combine traced after a sync-free dispatch of the same layout); `ll-send`,
 dispatch of a one-rank group) and the reduce of those run (a combine received right away sends
 nothing); the other three run only with two or more ranks, which this script does not trace,
 and stop it with a message saying so. Phase boundaries are explicit marks in the kernel's module
-(`src/epcomm/kernels/dispatch.py`, `src/epcomm/kernels/low_latency.py`): comment lines of the
+(`src/epcomm/kernels/dispatch.py`, `combine.py`, `low_latency.py`): comment lines of the
 form
 
     # phase-mark: <name>
