@@ -41,8 +41,9 @@ _GPU_TILE = dict(rows=16, block_w=512, num_warps=8, combine_rows=16, block_h=102
 # 16 x 512: 23.6 / 44.4; 4 x 2048 x 8 warps: 19.5 / 29.0; 4 x 1024 x 4: 19.7 / 28.6; 8 x 1024:
 # 21.5 / 36.2. The combine: 4 rows x 1024, so that an expand send loads all K slots' rows of
 # a step at once (`kernels.combine.slots_in_flight`; at 16 x 1024 two at a time, K / 2 round
-# trips per step); with 2 at a time it measured the same at 4 x 4096 as at 16 x 1024 (12.7 /
-# 21.0 us against 12.9 / 20.5, compact / expand).
+# trips per step). Measured (scripts/gpu_symmetric.py --ranks --tokens 128, H100, EP=1; compact
+# / expand combine us): 10.0 / 12.8 on every SM; on 32 programs, where each program gets one
+# item of 7 steps, 13.3 / 21.1 against 12.8 / 21.3 at 16 x 1024.
 _GPU_DECODE_TILE = dict(_GPU_TILE, rows=4, block_w=2048, combine_rows=4)
 # The default grid is every SM, at every size. At 128 tokens (EP=1, hidden 7168, top-8, 256
 # experts) the kernels' fixed steps no longer grow with the programs (the dispatch's one-block
