@@ -104,6 +104,7 @@ def _constants(fn, shape) -> tuple[dict, int]:
     base = dict(K=K, BLOCK_K=triton.next_power_of_2(K), BLOCK_R=triton.next_power_of_2(R))
     if fn.__module__ == collective.__name__:
         return _collective_constants(fn, base, K, vec)
+    base["SCOPE"] = "sys"  # the heap kernels' signals as between GPUs (`SymmetricHeap.scope`)
     if fn.__name__.startswith("ll_"):  # (a low-latency kernel, or a traced copy of one)
         tile = LL.GPU_TILES[fn.__name__]
         return _low_latency_constants(fn, base, R, tile), tile.num_warps
@@ -125,7 +126,8 @@ def _constants(fn, shape) -> tuple[dict, int]:
 def _low_latency_constants(fn, base: dict, R: int, tile) -> dict:
     """The low-latency kernels' constants as `epcomm.low_latency` launches them (M = 128 tokens
     per rank, 256 experts over R ranks, FP8 dispatch without rounded scales)."""
-    constants = dict(BLOCK_R=base["BLOCK_R"], BLOCK_C=tile.block_c, ALIGN=16)
+    constants = dict(BLOCK_R=base["BLOCK_R"], BLOCK_C=tile.block_c, ALIGN=16,
+                     SCOPE=base["SCOPE"])
     if fn.__name__ == "ll_dispatch_send":
         return dict(constants, USE_FP8=True, ROUND_SCALE=False, BLOCK_T=128,
                     BLOCK_K=base["BLOCK_K"])

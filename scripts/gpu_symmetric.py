@@ -134,6 +134,9 @@ def check_ranks(tokens, hidden, topk, experts):
     group = dist.group.WORLD
     coll = Buffer(group, tokens, hidden, topk, backend="collective", timeout_s=120)
     symm = Buffer(group, tokens, hidden, topk, backend="symmetric", timeout_s=120)
+    # Every rank's heap on this one GPU: the kernels' signals at GPU scope (`kernels.sync`).
+    one_gpu = torch.cuda.device_count() == 1 or dist.get_world_size() == 1
+    assert symm._backend.heap.scope == ("gpu" if one_gpu else "sys"), symm._backend.heap.scope
     num_tokens = tokens if rank == 0 else tokens * (rank % 3 + 1) // 4
     seed = 0
     for expand in (False, True):

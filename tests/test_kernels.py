@@ -4,6 +4,8 @@ One rank: the "heap" is an ordinary tensor and `bases` holds its address, so a k
 into "peers" land there and its waits are satisfied by its own signals. Without CUDA the
 kernels run under the Triton interpreter (importing `epcomm.kernels` selects it first).
 """
+import dataclasses
+
 import pytest
 
 pytest.importorskip("triton")
@@ -268,13 +270,18 @@ def test_one_block_paths_match_the_grid_barriers(expand, monkeypatch):
         int((topk_idx == e).sum()) for e in range(num_local)]
 
 
-def test_combine_example():
-    """`combine.combine`'s docstring example on one rank: the returned record, then the sums."""
+@pytest.mark.parametrize("scope", ["sys", "gpu"])
+def test_combine_example(scope):
+    """`combine.combine`'s docstring example on one rank: the returned record, then the sums;
+    with the signals at either scope (`SymmetricHeap.scope`: one rank's heap is on its own
+    device, so GPU scope orders them)."""
     rank = OneRank()
     layout = combine.CombineLayout(H, K)
     out = torch.full((2, H), -7, dtype=bf16, device=DEV)
     weights = torch.full((2, K), -7, dtype=torch.float32, device=DEV)
-    combine.combine(SHAPE, rank.combine, layout, rank.sync, _t([1], i32), _t([[0, 1, 0, 2]], i32),
+    shape = dataclasses.replace(SHAPE, scope=scope, launchers={})  # (its own launchers)
+    assert combine.launcher(shape).constants["SCOPE"] == scope
+    combine.combine(shape, rank.combine, layout, rank.sync, _t([1], i32), _t([[0, 1, 0, 2]], i32),
                     _t([[5, 6]], bf16), _t([[0.5, 0.25]], torch.float32), False,
                     _t([[0, 0], [-1, -1]], i32), (_t([[1, 1], [2, 2]], bf16),), out, weights,
                     rank.error, TIMEOUT)

@@ -765,7 +765,7 @@ class SymmetricLowLatency(LowLatencyTransport):
                     num_local=shape.num_local, hidden=shape.hidden, num_topk=shape.num_topk,
                     mask_ptr=mask, error_ptr=error, timeout=self._timeout,
                     BLOCK_R=next_power_of_2(shape.num_ranks),
-                    ALIGN=16 if shape.hidden % 8 == 0 else 2)
+                    ALIGN=16 if shape.hidden % 8 == 0 else 2, SCOPE=state.heap.scope)
 
     @staticmethod
     def _tile(shape: LowLatencyShape, kernel) -> tuple[int, dict]:

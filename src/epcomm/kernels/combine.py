@@ -36,8 +36,8 @@ import triton.language as tl
 from .common import (bf16_to_f32, columns, copy_row_span, exclusive_columns, f32_to_bf16,
                      flag_mask, i32_ptr, max_along, program_chunk, sum_along)
 from .launcher import KernelShape, Launcher, Stage, aligned
-from .sync import (COMBINE_TIMEOUT, add_counters, await_counters, call_signature, own_counters,
-                   peer_counters, stamp, stamped_words)
+from .sync import (COMBINE_TIMEOUT, add_counters, await_counters, bases_of, call_signature,
+                   heap_bases, own_counters, peer_counters, stamp, stamped_words)
 
 SYNC_COMBINE = tl.constexpr(3)  # slot of the backend's sync tensor: P per combine call
 
@@ -95,11 +95,12 @@ def half_ptrs(addr, VEC: tl.constexpr):
 
 
 @triton.jit
-def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+def _return_rows(bases, own, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr, expand,
                  weights_ptr, has_w, hidden, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, IN_FLIGHT: tl.constexpr):
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, IN_FLIGHT: tl.constexpr,
+                 SCOPE: tl.constexpr):
     """Steps 1-3 of the send part (module docstring); returns the call number."""
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -113,8 +114,8 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     # (this rank's own tensors, loaded before the wait, which their latency then overlaps)
     psum = tl.load(rank_psum_ptr + rr, mask=rmask, other=2**31 - 1)  # lanes past R: no rows
     num_rows = tl.load(rank_psum_ptr + num_ranks - 1)
-    await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
+    await_counters(own_counters(own, flags_offset + num_ranks * 8, rr), rmask,
+                   (call - 1) * num_programs, error_ptr, COMBINE_TIMEOUT, timeout, SCOPE)
     # phase-mark: combine-peers-freed
     begin, end, pieces, per = _work_items(num_rows, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
@@ -125,7 +126,7 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
         # psum is non-decreasing: the rows before source s's block are max(psum[r < s]).
         first = max_along(tl.where(rr[None, :] < source[:, None], psum[None, :], 0), 1)
         slot = rank * stride_tokens + rows - first
-        rec = tl.load(bases_ptr + source, mask=nmask, other=0) + region_offset \
+        rec = bases_of(bases, rr, source) + region_offset \
             + slot.to(tl.int64) * record_words * 4
         meta = meta_ptr + n64 * (K + 2) + 2
         hmask = nmask[:, None] & kmask[None, :]
@@ -166,9 +167,9 @@ def _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
                  mask=flag_mask(hmask, has_w * (piece == 0)))
     # phase-mark: combine-rows-returned
     if tl.program_id(0) == 0:
-        tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
+        tl.store(peer_counters(bases, flags_offset + 2 * num_ranks * 8, rank),
                  stamp(signature, call), mask=rmask)
-    add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
+    add_counters(peer_counters(bases, flags_offset, rank), rmask, SCOPE)
     return call
 
 
@@ -183,12 +184,12 @@ def _own_rows(slots, rank, stride_tokens, own_first, expand):
 
 
 @triton.jit
-def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+def _reduce_rows(bases, own, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
                  num_biases, out_ptr, w_out, has_w, hidden, rank_psum_ptr, x_ptr, expand,
                  weights_ptr, error_ptr, timeout, signature, K: tl.constexpr,
                  BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
-                 VEC: tl.constexpr, BLOCK_H: tl.constexpr):
+                 VEC: tl.constexpr, BLOCK_H: tl.constexpr, SCOPE: tl.constexpr):
     """The reduce part (module docstring) of call number `call`: the one this program's send
     part computed. (Reading the call counter here instead would race with programs of this
     launch that have not added to it yet.) In the compact layout the records this rank
@@ -199,15 +200,15 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
     kk = tl.arange(0, BLOCK_K)
     kmask = kk < K
     hidden = tl.multiple_of(hidden, VEC)
-    ready = own_counters(bases_ptr, rank, flags_offset, rr)
-    base = tl.load(bases_ptr + rank) + region_offset  # (loaded before the wait, as above)
+    ready = own_counters(own, flags_offset, rr)
+    base = own + region_offset
     own_first = tl.where(rank > 0, tl.load(rank_psum_ptr + tl.maximum(rank - 1, 0)), 0)
-    await_counters(ready, rmask, call * num_programs, error_ptr, COMBINE_TIMEOUT, timeout)
+    await_counters(ready, rmask, call * num_programs, error_ptr, COMBINE_TIMEOUT, timeout,
+                   SCOPE)
     # Peers out of step, with other arguments or not arrived are flagged, and their rows are
     # left out (not mixed in: their slots count as -1).
-    counted = stamped_words(ready, own_counters(bases_ptr, rank,
-                                                flags_offset + 2 * num_ranks * 8, rr),
-                            rr, rmask, call, num_programs, signature, error_ptr) != 0
+    counted = stamped_words(ready, own_counters(own, flags_offset + 2 * num_ranks * 8, rr),
+                            rr, rmask, call, num_programs, signature, error_ptr, SCOPE) != 0
     # phase-mark: combine-ready
     begin, end, pieces, per = _work_items(num_tokens, hidden, ROWS, BLOCK_H)
     for w in range(begin, end):
@@ -259,7 +260,7 @@ def _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride
             weights = tl.where((weights & 0x7FFFFFFF) > 0x7F800000, 0x7FC00000, weights)
             tl.store(w_out + t64[:, None] * K + kk[None, :], weights, mask=hmask)
     # phase-mark: combine-reduced
-    add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask), rmask)
+    add_counters(peer_counters(bases, flags_offset + num_ranks * 8, rank), rmask, SCOPE)
     # phase-mark: combine-done
 
 
@@ -273,16 +274,18 @@ def combine_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, stri
                    out_ptr, w_out, has_w_out, hidden, error_ptr, timeout, signature,
                    K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                    ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_H: tl.constexpr,
-                   IN_FLIGHT: tl.constexpr):
-    call = _return_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                   IN_FLIGHT: tl.constexpr, SCOPE: tl.constexpr):
+    rr = tl.arange(0, BLOCK_R)
+    bases, own = heap_bases(bases_ptr, rank, rr, rr < num_ranks)
+    call = _return_rows(bases, own, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                         record_words, weight_offset, sync_ptr, rank_psum_ptr, meta_ptr, x_ptr,
                         expand, weights_ptr, has_w, hidden, error_ptr, timeout, signature, K,
-                        BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H, IN_FLIGHT)
-    _reduce_rows(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
+                        BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_H, IN_FLIGHT, SCOPE)
+    _reduce_rows(bases, own, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                  record_words, weight_offset, call, num_tokens, slot_ptr, bias0_ptr, bias1_ptr,
                  num_biases, out_ptr, w_out, has_w_out, hidden, rank_psum_ptr, x_ptr, expand,
                  weights_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_R, ROWS, VEC,
-                 BLOCK_H)
+                 BLOCK_H, SCOPE)
 
 
 

@@ -199,7 +199,7 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
                w1, off1, slot_out, error_ptr, timeout, signature, K: tl.constexpr,
                BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, ROWS: tl.constexpr,
                VEC: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_P: tl.constexpr,
-               ALL_TOKENS: tl.constexpr):
+               ALL_TOKENS: tl.constexpr, SCOPE: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -253,8 +253,9 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
         sent_total = total(counts)
 
     # 3. Every destination has copied out what this rank pushed the call before.
-    await_counters(own_counters(bases_ptr, rank, flags_offset + num_ranks * 8, rr), rmask,
-                   (call - 1) * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout)
+    await_counters(own_counters(tl.load(bases_ptr + rank), flags_offset + num_ranks * 8, rr),
+                   rmask, (call - 1) * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout,
+                   SCOPE)
 
     # phase-mark: send-peers-freed
     # 4. Per tile of tokens: positions (to the scratch, whose rows the stores below read one
@@ -291,10 +292,11 @@ def _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_t
     # 5. Counts with this call's stamp, then this program's share of every destination's ready
     # counter.
     tl.debug_barrier()
+    bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
     if pid == 0:
-        tl.store(peer_counters(bases_ptr, flags_offset + 2 * num_ranks * 8, rank, rr, rmask),
+        tl.store(peer_counters(bases, flags_offset + 2 * num_ranks * 8, rank),
                  sent_total.to(tl.int64) | stamp(signature, call), mask=rmask)
-    add_counters(peer_counters(bases_ptr, flags_offset, rank, rr, rmask), rmask)
+    add_counters(peer_counters(bases, flags_offset, rank), rmask, SCOPE)
 
 
 @triton.jit
@@ -491,7 +493,7 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                   BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
                   ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
-                  ALL_ROWS: tl.constexpr):
+                  ALL_ROWS: tl.constexpr, SCOPE: tl.constexpr):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     rr = tl.arange(0, BLOCK_R)
@@ -502,11 +504,12 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
 
     # 1. Every source's records of this call have arrived; their counts. Late sources, sources
     # out of step and sources whose call had other arguments (their stamps) count as empty.
-    ready = own_counters(bases_ptr, rank, flags_offset, rr)
-    await_counters(ready, rmask, call * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout)
-    words = stamped_words(
-        ready, own_counters(bases_ptr, rank, flags_offset + 2 * num_ranks * 8, rr), rr, rmask,
-        call, num_programs, signature, error_ptr)
+    own_base = tl.load(bases_ptr + rank)
+    ready = own_counters(own_base, flags_offset, rr)
+    await_counters(ready, rmask, call * num_programs, error_ptr, DISPATCH_TIMEOUT, timeout,
+                   SCOPE)
+    words = stamped_words(ready, own_counters(own_base, flags_offset + 2 * num_ranks * 8, rr), rr,
+                          rmask, call, num_programs, signature, error_ptr, SCOPE)
     counts = (words & 0xFFFFFFFF).to(tl.int32)
     received = total(counts)
     if received > out_rows:  # only if ranks passed different num_max_tokens_per_rank
@@ -710,8 +713,8 @@ def _receive_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, strid
                 _zero_rows(p1_out, tail_begin, tail_end, w1, VEC, ROWS, BLOCK_W)
     # phase-mark: receive-done
     # 5. This program is done with the staging region.
-    add_counters(peer_counters(bases_ptr, flags_offset + num_ranks * 8, rank, rr, rmask),
-                     rmask)
+    add_counters(peer_counters(tl.load(bases_ptr + rr, mask=rmask, other=0),
+                               flags_offset + num_ranks * 8, rank), rmask, SCOPE)
 
 
 @triton.jit(do_not_specialize=[
@@ -731,14 +734,15 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                     BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
                     BLOCK_T: tl.constexpr, BLOCK_O: tl.constexpr, GROUP: tl.constexpr,
                     ROWS: tl.constexpr, VEC: tl.constexpr, BLOCK_W: tl.constexpr,
-                    BLOCK_P: tl.constexpr, ALL_TOKENS: tl.constexpr, ALL_ROWS: tl.constexpr):
+                    BLOCK_P: tl.constexpr, ALL_TOKENS: tl.constexpr, ALL_ROWS: tl.constexpr,
+                    SCOPE: tl.constexpr):
     """The send part, the receive part or both (`do_send`, `do_receive`), in one launch."""
     if do_send != 0:
         _send_part(bases_ptr, rank, num_ranks, flags_offset, region_offset, stride_tokens,
                    record_words, sync_ptr, counts_scratch, pos_scratch, idx_ptr,
                    num_tokens, num_experts, idx_copy, copy_idx, weights_ptr, has_w,
                    p0_ptr, w0, off0, p1_ptr, w1, off1, slot_out, error_ptr, timeout, signature,
-                   K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, BLOCK_P, ALL_TOKENS)
+                   K, BLOCK_K, BLOCK_R, ROWS, VEC, BLOCK_W, BLOCK_P, ALL_TOKENS, SCOPE)
     # The send part's counter (slot 0) gains P per call, 1 from each program's send part: this
     # program's has added, here in this launch or in an earlier launch of this stream, so
     # the counter is past (call - 1) * P and at most call * P. (Returning the send part's
@@ -753,7 +757,7 @@ def dispatch_kernel(bases_ptr, rank, num_ranks, flags_offset, region_offset, str
                       counts_host, idx_out, w_out, has_w_out, meta_out, rank_psum_out,
                       expert_count_out, expert_psum_out, q0_out, v0, o0, q1_out, v1, o1, p0_ptr,
                       p1_ptr, error_ptr, timeout, signature, K, BLOCK_K, BLOCK_M, BLOCK_R, BLOCK_E,
-                      BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, ALL_ROWS)
+                      BLOCK_T, BLOCK_O, GROUP, ROWS, VEC, BLOCK_W, ALL_ROWS, SCOPE)
 
 
 def variant(topk_idx: torch.Tensor, weights: Optional[torch.Tensor],

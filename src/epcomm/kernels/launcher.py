@@ -246,6 +246,8 @@ class KernelShape:
     rows: int
     programs: int
     num_warps: int
+    # The scope of the heap's signals (`kernels.sync`; `SymmetricHeap.scope`).
+    scope: str = "sys"
     # (kernel, width, extra constants) -> Launcher; not part of the shape's identity.
     launchers: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -254,7 +256,8 @@ class KernelShape:
         `Launcher` passes a kernel only the constants it has)."""
         return {"K": self.num_topk, "BLOCK_K": next_power_of_2(self.num_topk),
                 "BLOCK_R": self.block_r, "BLOCK_P": self.block_p, "ROWS": self.rows,
-                "VEC": self.vec, width: self.block_w, "num_warps": self.num_warps}
+                "VEC": self.vec, width: self.block_w, "SCOPE": self.scope,
+                "num_warps": self.num_warps}
 
     @property
     def block_r(self) -> int:

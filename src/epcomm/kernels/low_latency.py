@@ -188,15 +188,16 @@ def _prologue(mask_ptr, epoch_ptr, error_ptr, timeout, num_ranks, BLOCK_R: tl.co
 
 @triton.jit
 def _await_arrivals(counters, live, target, timeout, timed, wait_ptr, has_wait, error_ptr,
-                    error_bit, rr, num_ranks):
+                    error_bit, rr, num_ranks, SCOPE: tl.constexpr):
     """Wait until the arrival counter (int64 array at address `counters`) of every live rank
     reaches `target`; `timed` (one program): rank by rank, adding the wait to `wait_ptr` with
     `has_wait`. Flags `error_bit` on a timeout. Returns the ranks that arrived."""
     arrived = (counters + rr * 8).to(tl.pointer_type(tl.int64))
     if timed:
-        ok = _wait_each(arrived, live, target, timeout, wait_ptr, has_wait, rr, num_ranks)
+        ok = _wait_each(arrived, live, target, timeout, wait_ptr, has_wait, rr, num_ranks,
+                        SCOPE)
     else:
-        ok = flag_mask(live, wait_counters(arrived, live, target, timeout).to(tl.int32))
+        ok = flag_mask(live, wait_counters(arrived, live, target, timeout, SCOPE).to(tl.int32))
     if total((live & ~ok).to(tl.int32)) > 0:
         tl.atomic_or(error_ptr, error_bit)
     tl.debug_barrier()
@@ -204,7 +205,8 @@ def _await_arrivals(counters, live, target, timeout, timed, wait_ptr, has_wait, 
 
 
 @triton.jit
-def _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask):
+def _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask,
+            SCOPE: tl.constexpr):
     """The receiving kernel's end: the last of its programs to get here (a local count,
     `call * P` after call `call`) frees the slot at every live peer and stores `call` as the
     slot's count. Returns whether this program was the last."""
@@ -213,20 +215,21 @@ def _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmas
     last = done == call * tl.num_programs(0) - 1
     if last:
         bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
-        add_counters((bases + free_off + rank * 8).to(tl.pointer_type(tl.int64)), live)
+        add_counters((bases + free_off + rank * 8).to(tl.pointer_type(tl.int64)), live, SCOPE)
         tl.store(epoch_ptr, call)
     return last
 
 
 @triton.jit
-def _wait_each(ptrs, mask, target, timeout, stats_ptr, has_stats, rr, num_ranks):
+def _wait_each(ptrs, mask, target, timeout, stats_ptr, has_stats, rr, num_ranks,
+               SCOPE: tl.constexpr):
     """Wait for each counter in turn (where `mask`); with `has_stats`, add the nanoseconds
     from the start until counter `r` arrived to `stats_ptr[r]`. Returns the arrived mask."""
     start = clock_ns()
     arrived = mask & (rr < 0)
     for r in range(0, num_ranks):
         one = mask & (rr == r)
-        ok = wait_counters(ptrs, one, target, timeout)
+        ok = wait_counters(ptrs, one, target, timeout, SCOPE)
         arrived = arrived | flag_mask(one, ok.to(tl.int32))
         if has_stats != 0:
             spent = clock_ns() - start
@@ -353,7 +356,8 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                      error_ptr, timeout, arrive_off, free_off, ntok_off, counts_off,
                      records_off, payload_off, payload_stride, USE_FP8: tl.constexpr,
                      ROUND_SCALE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr,
+                     SCOPE: tl.constexpr):
     """Program (token slot t, part p) of M * (P + 1), P = ceil(H / BLOCK_C): parts below P
     send a channel part of the token, part P (its routing program) its records and row counts,
     in parallel. x_ptr: [T, H] bf16 bits (int16); idx_ptr: [T, K] int32/int64; mask_ptr: [R]
@@ -385,7 +389,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
     # phase-mark: ll-send-start
     # 1. Every live destination has freed this slot's previous use.
     freed = (own + free_off + rr * 8).to(tl.pointer_type(tl.int64))
-    if not wait_counters(freed, live, call - 1, timeout):
+    if not wait_counters(freed, live, call - 1, timeout, SCOPE):
         tl.atomic_or(error_ptr, DISPATCH_TIMEOUT)
     tl.debug_barrier()
     # phase-mark: ll-send-freed
@@ -434,7 +438,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
     # phase-mark: ll-send-payload
     # 5. Arrived at every live destination (M * (P + 1) per call).
     arrive = (bases + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
-    add_counters(arrive, live)
+    add_counters(arrive, live, SCOPE)
     # phase-mark: ll-send-arrived
 
 
@@ -450,7 +454,7 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
                      src_info_ptr, slot_ptr, count_ptr, range_ptr, stats_ptr, has_stats,
                      wait_ptr, has_wait, USE_FP8: tl.constexpr, USE_UE8M0: tl.constexpr,
                      BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr,
-                     BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+                     BLOCK_C: tl.constexpr, ALIGN: tl.constexpr, SCOPE: tl.constexpr):
     """Program (source s, token slot t, channel part p) of R * M * P. Outputs (local): recv_x
     [E_l, R*M, H] (bf16 bits int16, or fp8 bytes uint8), scales [E_l, S', R*M] (float32, or
     the bytes (uint8) of UE8M0 int32 words), src_info and slot [E_l, R*M] int32, count [E_l]
@@ -476,7 +480,7 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
     # phase-mark: ll-recv-start
     ok = _await_arrivals(own + arrive_off, live, call * senders, timeout,
                          pid == 0, wait_ptr, has_wait, error_ptr, DISPATCH_TIMEOUT, rr,
-                         num_ranks)
+                         num_ranks, SCOPE)
     # phase-mark: ll-recv-arrived
     # Everything the program reads of the heap, in one round trip: the row counts, the
     # source's token count, the token's record and its part of the row (read whether or not
@@ -518,7 +522,7 @@ def ll_dispatch_recv(bases_ptr, rank, num_ranks, num_local, max_tokens, num_part
     _store_rows(recv_x_ptr, scales_ptr, out_row, take, data, scale, part, hidden, rows,
                 num_scale_cols, USE_FP8, USE_UE8M0, BLOCK_K, BLOCK_C)
     # phase-mark: ll-recv-copied
-    _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask)
+    _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask, SCOPE)
     # phase-mark: ll-recv-done
 
 
@@ -662,7 +666,7 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
                     num_topk, mask_ptr, epoch_ptr, error_ptr, timeout, arrive_off, free_off,
                     rows_off, direct, x_ptr, src_info_ptr, slot_ptr, range_ptr,
                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ROWS: tl.constexpr,
-                    ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
+                    ALIGN: tl.constexpr, LOGFMT: tl.constexpr, SCOPE: tl.constexpr):
     """Program (local expert e, source s, channel part p) of E_l * R * P: x_ptr [E_l, R*M, H]
     bf16 bits (int16); src_info, slot [E_l, R*M] int32 and range [E_l, R] int64 from the
     dispatch. ROWS rows per step. LOGFMT: rows go in LogFMT-10 (BLOCK_C a multiple of 128).
@@ -677,7 +681,7 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
     one = live & (rr == src) & ~flag_mask(rr == rank, direct)
     # phase-mark: ll-combine-send-start
     if not wait_counters((own + free_off + rr * 8).to(tl.pointer_type(tl.int64)), one,
-                         call - 1, timeout):
+                         call - 1, timeout, SCOPE):
         tl.atomic_or(error_ptr, COMBINE_TIMEOUT)
     tl.debug_barrier()
     # phase-mark: ll-combine-send-freed
@@ -703,7 +707,8 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
                 tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values, mask=both)
     # phase-mark: ll-combine-send-copied
     # Arrived at the source (E_l * P per owner and call).
-    add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one)
+    add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one,
+                 SCOPE)
     # phase-mark: ll-combine-send-arrived
 
 
@@ -724,7 +729,7 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
                       done_ptr, error_ptr, timeout, arrive_off, free_off, rows_off, own_rows_off,
                       direct, x_ptr, idx_ptr, weights_ptr, out_ptr, wait_ptr, has_wait,
                       BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                      ALIGN: tl.constexpr, LOGFMT: tl.constexpr):
+                      ALIGN: tl.constexpr, LOGFMT: tl.constexpr, SCOPE: tl.constexpr):
     """Program (token slot t, channel part p) of M * P: idx_ptr [T, K] int32/int64,
     weights_ptr [T, K] float32, out_ptr [T, H] bf16 bits (int16). The rows of the token's
     slots are loaded one slot at a time (one address each; LOGFMT: decoded from LogFMT-10)
@@ -741,7 +746,7 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
     # phase-mark: ll-reduce-start
     _await_arrivals(own + arrive_off, live & ~here_only, call * senders, timeout,
                     tl.program_id(0) == 0,
-                    wait_ptr, has_wait, error_ptr, COMBINE_TIMEOUT, rr, num_ranks)
+                    wait_ptr, has_wait, error_ptr, COMBINE_TIMEOUT, rr, num_ranks, SCOPE)
     # phase-mark: ll-reduce-arrived
     if t < num_tokens:
         cc = part * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -777,7 +782,7 @@ def ll_combine_reduce(bases_ptr, rank, num_ranks, num_tokens, num_experts, num_l
             acc = acc + tl.where(take, weight * bf16_to_f32(values), 0.0)
         tl.store(out_ptr + t.to(tl.int64) * hidden + cc, f32_to_bf16(acc), mask=cmask)
     # phase-mark: ll-reduce-summed
-    if _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask):
+    if _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmask, SCOPE):
         # the arrivals this rank's own send skipped with `direct`, so that the count stays
         # `call * senders` for a later call that waits for them
         skipped = total(tl.where(here_only & live, senders, 0)).to(tl.int64)

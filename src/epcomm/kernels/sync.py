@@ -2,8 +2,12 @@
 
 Every flag is a monotone int64 *counter* that is never reset: each of the P programs of a
 kernel adds 1 to it once per call of a stage, so after call n of that stage it holds n * P and a
-waiter compares with `>=`. Counters in a heap are written by peers (system scope, release) and
-polled by the owner (acquire); the grid-barrier counters live in a local tensor (GPU scope).
+waiter compares with `>=`. Counters in a heap are written by peers (release) and polled by the
+owner (acquire) at the heap's scope, a kernel's `SCOPE` constexpr: "gpu" where every rank's heap
+is on this process's GPU (one rank, or processes sharing the GPU), "sys" otherwise
+(`SymmetricHeap.scope`); a system-scope release waits for this program's writes to reach every
+device (measured on an H100 at 128 tokens, EP=1: about 1 us per hand-off more than at GPU
+scope). The grid-barrier counters live in a local tensor (GPU scope).
 
 All spins are bounded: past `timeout` nanoseconds of wall-clock time (`clock_ns`: %globaltimer
 on the GPU, the host's monotonic clock under the interpreter) they give up and return False;
@@ -28,7 +32,7 @@ import triton.language as tl
 
 from .. import errors
 from . import INTERPRET
-from .common import max_along, total
+from .common import max_along, sum_along, total
 
 # `errors` bits as values kernels can read (a kernel may only use constexpr globals).
 INVALID_EXPERT_ID = tl.constexpr(errors.INVALID_EXPERT_ID)
@@ -63,18 +67,12 @@ clock_ns = _host_clock if INTERPRET else _globaltimer
 
 
 @triton.jit
-def wait_counters(ptrs, mask, target, timeout):
+def wait_counters(ptrs, mask, target, timeout, SCOPE: tl.constexpr):
     """Spin until every counter `ptrs[i]` (int64, where `mask`) is >= `target`; acquire loads
-    at system scope. Returns True if all arrived within `timeout` nanoseconds of wall-clock
-    time. The caller puts a `tl.debug_barrier()` after it before other threads read what the
-    counters guard."""
-    return _wait(ptrs, mask, target, timeout, "sys")
-
-
-@triton.jit
-def _wait(ptrs, mask, target, timeout, SCOPE: tl.constexpr):
-    """`wait_counters` with acquire loads at `SCOPE` ("gpu": counters only programs of the
-    same launch write)."""
+    at `SCOPE` ("sys", or "gpu" where every writer runs on this GPU: the heap's `scope`, or
+    the programs of one launch). Returns True if all arrived within `timeout` nanoseconds of
+    wall-clock time. The caller puts a `tl.debug_barrier()` after it before other threads
+    read what the counters guard."""
     value = tl.atomic_add(ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
     waiting = total(((value < target) & mask).to(tl.int32))
     start = clock_ns()
@@ -87,17 +85,11 @@ def _wait(ptrs, mask, target, timeout, SCOPE: tl.constexpr):
 
 
 @triton.jit
-def await_counters(ptrs, mask, target, error_ptr, error_bit, timeout):
+def await_counters(ptrs, mask, target, error_ptr, error_bit, timeout, SCOPE: tl.constexpr):
     """`wait_counters`, then on a timeout OR `error_bit` into the error flag (the caller goes on:
     a late counter reads as not arrived), then a barrier so that every thread of the program
     reads what the counters guard only after them."""
-    _await(ptrs, mask, target, error_ptr, error_bit, timeout, "sys")
-
-
-@triton.jit
-def _await(ptrs, mask, target, error_ptr, error_bit, timeout, SCOPE: tl.constexpr):
-    """`await_counters` with acquire loads at `SCOPE`."""
-    if not _wait(ptrs, mask, target, timeout, SCOPE):
+    if not wait_counters(ptrs, mask, target, timeout, SCOPE):
         tl.atomic_or(error_ptr, error_bit)
     tl.debug_barrier()
 
@@ -110,13 +102,14 @@ def stamp(signature, call):
 
 
 @triton.jit
-def stamped_words(ready_ptrs, stamp_ptrs, rr, mask, call, num_programs, signature, error_ptr):
+def stamped_words(ready_ptrs, stamp_ptrs, rr, mask, call, num_programs, signature, error_ptr,
+                  SCOPE: tl.constexpr):
     """After waiting for call `call`: the word at `stamp_ptrs` of each peer rr (where `mask`)
     whose ready counter shows exactly this call and whose stamp in that word matches this
     rank's, 0 for the others. Flags `OUT_OF_STEP` for an arrived peer ahead of this call or
     with another call number in its stamp, `CALL_MISMATCH` for one with other arguments, and
     the first such peer (rank + 1 at bit `MISMATCH_PEER_SHIFT`) unless one is flagged."""
-    ready = tl.atomic_add(ready_ptrs, 0, mask=mask, sem="acquire", scope="sys")
+    ready = tl.atomic_add(ready_ptrs, 0, mask=mask, sem="acquire", scope=SCOPE)
     arrived = mask & (ready >= call * num_programs)
     words = tl.load(stamp_ptrs, mask=arrived, other=0, volatile=True)
     mine = stamp(signature, call)
@@ -136,11 +129,12 @@ def stamped_words(ready_ptrs, stamp_ptrs, rr, mask, call, num_programs, signatur
 
 
 @triton.jit
-def add_counters(ptrs, mask):
-    """Add 1 to every counter `ptrs[i]` (where `mask`), releasing at system scope everything
-    this program wrote or read before (the barrier first orders all its threads' accesses)."""
+def add_counters(ptrs, mask, SCOPE: tl.constexpr):
+    """Add 1 to every counter `ptrs[i]` (where `mask`), releasing at `SCOPE` (as in
+    `wait_counters`) everything this program wrote or read before (the barrier first orders
+    all its threads' accesses)."""
     tl.debug_barrier()
-    tl.atomic_add(ptrs, 1, mask=mask, sem="release", scope="sys")
+    tl.atomic_add(ptrs, 1, mask=mask, sem="release", scope=SCOPE)
 
 
 @triton.jit
@@ -153,22 +147,40 @@ def grid_barrier(counter_ptr, error_ptr, error_bit, timeout):
     call = old // num_programs + 1
     one = tl.arange(0, 2) < 1  # a 1-element view: the wait works on blocks
     # (gpu scope: only programs of this launch touch the counter)
-    _await(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, error_ptr, error_bit,
-           timeout, "gpu")
+    await_counters(counter_ptr + tl.arange(0, 2) * 0, one, call * num_programs, error_ptr,
+                   error_bit, timeout, "gpu")
     return call
 
 
 @triton.jit
-def peer_counters(bases_ptr, offset, slot, rr, rmask):
-    """Pointers to counter `slot` of the counter array at byte `offset` of each rank rr's heap."""
-    base = tl.load(bases_ptr + rr, mask=rmask, other=0)
-    return (base + offset + slot * 8).to(tl.pointer_type(tl.int64))
+def heap_bases(bases_ptr, rank, rr, rmask):
+    """(every rank rr's heap base, 0 past the ranks; this rank's own), loaded at once when the
+    combine starts: each later step takes them from registers, where a reload after an
+    acquire wait (which invalidates the L1 cache) would put an L2 round trip in front of the
+    step (the combine at 128 tokens, EP=1, H100: 9.1 -> 8.5 us compact, 11.9 -> 11.3
+    expand; the dispatch measured slower so, 14.3 -> 15.1 and 18.5 -> 19.9, and loads them
+    where it uses them)."""
+    bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
+    return bases, total(tl.where(rr == rank, bases, 0))
 
 
 @triton.jit
-def own_counters(bases_ptr, rank, offset, rr):
-    """Pointers to counters rr of the counter array at byte `offset` of `rank`'s own heap."""
-    return (tl.load(bases_ptr + rank) + offset + rr * 8).to(tl.pointer_type(tl.int64))
+def bases_of(bases, rr, peers):
+    """The heap bases of ranks `peers` (a 1-D block) among `bases` (`heap_bases`)."""
+    return sum_along(tl.where(peers[:, None] == rr[None, :], bases[None, :], 0), 1)
+
+
+@triton.jit
+def peer_counters(bases, offset, slot):
+    """Pointers to counter `slot` of the counter array at byte `offset` of each rank's heap
+    (`bases`, from `heap_bases`)."""
+    return (bases + offset + slot * 8).to(tl.pointer_type(tl.int64))
+
+
+@triton.jit
+def own_counters(own, offset, rr):
+    """Pointers to counters rr of the counter array at byte `offset` of the heap at `own`."""
+    return (own + offset + rr * 8).to(tl.pointer_type(tl.int64))
 
 
 def timeout_units(timeout_s: float) -> int:

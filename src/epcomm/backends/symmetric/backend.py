@@ -117,17 +117,16 @@ class SymmetricBackend(Backend):
         self.max_rows = R * S  # compact rows a dispatch can receive
         bf16_words, fp8_words = hidden_payload_words(H)
         self.combine_layout = combine_kernels.CombineLayout(H, K)
-        tile = gpu_tile(S, programs) if self.device.type == "cuda" else _CPU_TILE
-        self.shape = KernelShape(R, K, _vector_words([*bf16_words, *fp8_words], 4),
-                                 min(tile["block_w"], _block(H // 2)), tile["rows"], programs,
-                                 tile["num_warps"])
-        self.combine_shape = KernelShape(R, K, _vector_words([H], 8),
-                                         min(tile["block_h"], _block(H)), tile["combine_rows"],
-                                         programs, tile["combine_warps"])
-
         flags, dispatch_region, combine_region, nbytes = heap_layout(R, S, H, K)
         self.heap = SymmetricHeap(group, nbytes, self.device)
         self.heap_bytes = nbytes
+        tile = gpu_tile(S, programs) if self.device.type == "cuda" else _CPU_TILE
+        self.shape = KernelShape(R, K, _vector_words([*bf16_words, *fp8_words], 4),
+                                 min(tile["block_w"], _block(H // 2)), tile["rows"], programs,
+                                 tile["num_warps"], self.heap.scope)
+        self.combine_shape = KernelShape(R, K, _vector_words([H], 8),
+                                         min(tile["block_h"], _block(H)), tile["combine_rows"],
+                                         programs, tile["combine_warps"], self.heap.scope)
         self.dispatch_stage = Stage(self.heap.bases, self.rank, 0, dispatch_region, S)
         self.combine_stage = Stage(self.heap.bases, self.rank, flags, combine_region, S)
 

@@ -86,7 +86,9 @@ class SymmetricHeap:
     """`nbytes` of zeroed memory on every rank of `group`, each mapped by all (collective).
 
     local: this rank's buffer (uint8 [nbytes]); bases: int64 [R] on `device`, the address of
-    rank r's buffer in this process.
+    rank r's buffer in this process; scope: the memory-model scope of the kernels' signals
+    through the heap (`kernels.sync`): "gpu" when every rank's buffer is on this process's GPU
+    (one rank, or processes sharing one GPU), else "sys" (peers on other GPUs, or CPU ranks).
     """
 
     def __init__(self, group: dist.ProcessGroup, nbytes: int, device: torch.device) -> None:
@@ -97,9 +99,10 @@ class SymmetricHeap:
             self.local = torch.zeros(nbytes, dtype=torch.uint8, device=device)
             torch.cuda.synchronize(device)  # peers must see the zeros before they map it
             rebuild, args = reduce_tensor(self.local)
-            peer_args = all_gather_objects(args, group)
-            self._peers = [self.local if r == self.rank else rebuild(*peer_args[r])
+            views = all_gather_objects((args, _local_view(device)[1]), group)
+            self._peers = [self.local if r == self.rank else rebuild(*views[r][0])
                            for r in range(self.num_ranks)]
+            self.scope = "gpu" if len({uid for _, uid in views}) == 1 else "sys"
         else:
             path = os.path.join(_SHM_DIR, f"epcomm-{uuid.uuid4().hex}-r{self.rank}")
             self.local = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -112,6 +115,7 @@ class SymmetricHeap:
                 dist.barrier(group=group)  # everyone mapped everyone: the names can go
             finally:
                 os.unlink(path)
+            self.scope = "sys"
         self.bases = torch.tensor([t.data_ptr() for t in self._peers], dtype=torch.int64,
                                   device=device)
 
