@@ -158,8 +158,8 @@ def heap_bases(bases_ptr, rank, rr, rmask):
     combine starts: each later step takes them from registers, where a reload after an
     acquire wait (which invalidates the L1 cache) would put an L2 round trip in front of the
     step (the combine at 128 tokens, EP=1, H100: 9.1 -> 8.5 us compact, 11.9 -> 11.3
-    expand; the dispatch measured slower so, 14.3 -> 15.1 and 18.5 -> 19.9, and loads them
-    where it uses them)."""
+    expand; the dispatch measured slower with it, 14.3 -> 15.1 and 18.5 -> 19.9, and loads
+    them where it uses them)."""
     bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
     return bases, total(tl.where(rr == rank, bases, 0))
 
