@@ -52,7 +52,8 @@ import triton.language as tl
 
 from . import INTERPRET
 from .common import bf16_to_f32, exclusive_rows, f32_to_bf16, flag_mask, sum_along, total
-from .sync import (COMBINE_TIMEOUT, DISPATCH_TIMEOUT, add_counters, clock_ns, wait_counters)
+from .sync import (COMBINE_TIMEOUT, DISPATCH_TIMEOUT, add_counters, clock_ns, own_counters,
+                   peer_counters, wait_counters)
 
 _REGION = 256  # bytes between heap regions
 
@@ -192,7 +193,7 @@ def _await_arrivals(counters, live, target, timeout, timed, wait_ptr, has_wait, 
     """Wait until the arrival counter (int64 array at address `counters`) of every live rank
     reaches `target`; `timed` (one program): rank by rank, adding the wait to `wait_ptr` with
     `has_wait`. Flags `error_bit` on a timeout. Returns the ranks that arrived."""
-    arrived = (counters + rr * 8).to(tl.pointer_type(tl.int64))
+    arrived = own_counters(counters, 0, rr)
     if timed:
         ok = _wait_each(arrived, live, target, timeout, wait_ptr, has_wait, rr, num_ranks,
                         SCOPE)
@@ -215,7 +216,7 @@ def _finish(done_ptr, epoch_ptr, call, bases_ptr, rank, free_off, live, rr, rmas
     last = done == call * tl.num_programs(0) - 1
     if last:
         bases = tl.load(bases_ptr + rr, mask=rmask, other=0)
-        add_counters((bases + free_off + rank * 8).to(tl.pointer_type(tl.int64)), live, SCOPE)
+        add_counters(peer_counters(bases, free_off, rank), live, SCOPE)
         tl.store(epoch_ptr, call)
     return last
 
@@ -388,7 +389,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                    mask=flag_mask(cmask, (mine & ~routing).to(tl.int32)), other=0)
     # phase-mark: ll-send-start
     # 1. Every live destination has freed this slot's previous use.
-    freed = (own + free_off + rr * 8).to(tl.pointer_type(tl.int64))
+    freed = own_counters(own, free_off, rr)
     if not wait_counters(freed, live, call - 1, timeout, SCOPE):
         tl.atomic_or(error_ptr, DISPATCH_TIMEOUT)
     tl.debug_barrier()
@@ -437,7 +438,7 @@ def ll_dispatch_send(bases_ptr, rank, num_ranks, x_ptr, idx_ptr, num_tokens, num
                      tl.broadcast_to(bits[None, :], (BLOCK_R, BLOCK_C)), mask=both)
     # phase-mark: ll-send-payload
     # 5. Arrived at every live destination (M * (P + 1) per call).
-    arrive = (bases + arrive_off + rank * 8).to(tl.pointer_type(tl.int64))
+    arrive = peer_counters(bases, arrive_off, rank)
     add_counters(arrive, live, SCOPE)
     # phase-mark: ll-send-arrived
 
@@ -680,7 +681,7 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
     own = tl.load(bases_ptr + rank)
     one = live & (rr == src) & ~flag_mask(rr == rank, direct)
     # phase-mark: ll-combine-send-start
-    if not wait_counters((own + free_off + rr * 8).to(tl.pointer_type(tl.int64)), one,
+    if not wait_counters(own_counters(own, free_off, rr), one,
                          call - 1, timeout, SCOPE):
         tl.atomic_or(error_ptr, COMBINE_TIMEOUT)
     tl.debug_barrier()
