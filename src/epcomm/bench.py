@@ -491,18 +491,28 @@ def _add_peer_figures(row: dict, case: Case, bases: list[dict], records: list[di
 
 
 def _output_copies(measure, handle, hidden: int, dtype: str, device: torch.device) -> dict:
-    """A fresh copy of the bytes a dispatch and a combine must write to their outputs (the
-    valid rows: compact rows, or (row, local slot) pairs in the expand layout; the combined
-    [T, H] bf16), timed: with the all-to-all of the same bytes, the collective backend's
-    floor."""
+    """One copy of the bytes a dispatch and a combine must write to their outputs, timed: the
+    valid rows (compact rows, or (row, local slot) pairs in the expand layout; the combined
+    [T, H] bf16) written as one run into a fresh tensor of the output's size, as the call makes
+    it (an expand output with its alignment gaps, a sync-free one at capacity). With the all-to-all
+    of the same bytes, the collective backend's floor. On CPU the size matters: the written
+    pages of a fresh allocation above glibc's mmap threshold (32 MiB at most) fault one by
+    one, the expand output's at alignment 128 among them."""
     rows = handle.num_unaligned_recv_tokens_per_expert.sum() if handle.do_expand else \
         handle.psum_num_recv_tokens_per_scaleup_rank[-1]
-    figures = {"dispatch_out_bytes": int(rows) * _row_bytes(hidden, dtype),
+    row_bytes = _row_bytes(hidden, dtype)
+    figures = {"dispatch_out_bytes": int(rows) * row_bytes,
                "combine_out_bytes": handle.num_tokens * _row_bytes(hidden, "bf16")}
+    sizes = {"dispatch": handle.num_output_rows * row_bytes,
+             "combine": figures["combine_out_bytes"]}
     for what in ("dispatch", "combine"):
-        source = torch.empty(max(1, figures[f"{what}_out_bytes"]), dtype=torch.uint8,
-                             device=device)
-        figures[f"copy_{what}_out"] = measure(source.clone)  # a fresh output, as a call makes
+        source = torch.empty(figures[f"{what}_out_bytes"], dtype=torch.uint8, device=device)
+
+        def copy_out(source=source, size=max(1, sizes[what])):
+            out = torch.empty(size, dtype=torch.uint8, device=device)
+            out[:source.shape[0]].copy_(source)
+            return out
+        figures[f"copy_{what}_out"] = measure(copy_out)
     return figures
 
 
@@ -537,8 +547,9 @@ def _format_floor_table(rows: list[dict]) -> str:
               f"{r['combine']['us'] / r['floor']['combine_us']:.2f}"] for r in floor_rows]
     return ("\n\nCollective backend against its floor: the all-to-all of the bytes a call sends "
             "(a2a disp with do_cpu_sync or over gloo, where every dispatch exchanges its headers "
-            "first, else the payload alone; a2a comb) + a fresh copy of the bytes it writes to "
-            "its outputs (valid rows), same run, median over ranks:\n\n"
+            "first, else the payload alone; a2a comb) + one copy of the bytes it writes to its "
+            "outputs (the valid rows, into a fresh tensor of the output's size), same run, median "
+            "over ranks:\n\n"
             + _format_table(header, lines, 1))
 
 
