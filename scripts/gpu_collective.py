@@ -12,7 +12,9 @@
    correct.
 2. Timing, calls queued back to back between two CUDA events: dispatch and combine beside their
    floor from the same run, NCCL `all_to_all_single` of the bytes the call sends plus a fresh
-   copy of the bytes it writes to its outputs (valid rows), and the ratio.
+   copy of the bytes it writes to its outputs (valid rows), and the ratio; and the host time of
+   the same loop (the time for the calls to return): where it is about the call's time, the
+   host bounds the call.
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ os.environ.setdefault("EP_AVOID_RECORD_STREAM", "1")  # graph capture must not r
 
 from epcomm import Buffer  # noqa: E402
 from epcomm.errors import EPInputError  # noqa: E402
-from epcomm.bench_paths import time_us  # noqa: E402
+from epcomm.bench_paths import time_calls, time_us  # noqa: E402
 from epcomm.testing.launch import capture_graph, run_local_ranks  # noqa: E402
 from epcomm.testing.reference import reference_combine, reference_dispatch  # noqa: E402
 from epcomm.testing.verify import assert_equal, make_routing  # noqa: E402
@@ -65,9 +67,16 @@ def _time_row(buffer, x, idx, w, expand: bool, sync: bool, label: str, iters: in
     out = buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync)
     handle = out[3]
     y = torch.ones(handle.num_output_rows, H, dtype=torch.bfloat16, device="cuda")
-    disp = _time_us(lambda: buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand,
-                                            do_cpu_sync=sync), iters)
-    comb = _time_us(lambda: buffer.combine(y, handle), iters)
+
+    def dispatch():
+        buffer.dispatch(x, idx, w, num_experts=E, do_expand=expand, do_cpu_sync=sync)
+
+    def combine():
+        buffer.combine(y, handle)
+
+    cuda = torch.device("cuda")
+    (disp, disp_host), (comb, comb_host) = (time_calls(fn, cuda, iters)
+                                            for fn in (dispatch, combine))
     sent = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1]) * 2 * H
     written = (int(handle.num_unaligned_recv_tokens_per_expert.sum()) if expand
                else int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])) * 2 * H
@@ -79,7 +88,8 @@ def _time_row(buffer, x, idx, w, expand: bool, sync: bool, label: str, iters: in
         copy_src = torch.empty(out_bytes, dtype=torch.uint8, device="cuda")
         floors.append(a2a + _time_us(copy_src.clone, iters))
     return f"| {label} | {disp:.1f} | {floors[0]:.1f} | {disp / floors[0]:.2f} | " \
-        f"{comb:.1f} | {floors[1]:.1f} | {comb / floors[1]:.2f} |"
+        f"{comb:.1f} | {floors[1]:.1f} | {comb / floors[1]:.2f} | {disp_host:.1f} | " \
+        f"{comb_host:.1f} |"
 
 
 def run(tokens_list: list[int], iters: int) -> list[str]:
@@ -139,7 +149,7 @@ def run(tokens_list: list[int], iters: int) -> list[str]:
         assert_equal("graph replay: recv_x", recv_x[:valid.numel()][valid], ref.recv_x[valid])
         want, _ = reference_combine(recv_x[:valid.numel()], ref, idx2, E, dist.group.WORLD)
         assert_equal("graph replay: combined_x", combined, want)
-        lines.append(f"| {tokens}: sync-debug and CUDA graph replay | ok | | | | | |")
+        lines.append(f"| {tokens}: sync-debug and CUDA graph replay | ok | | | | | | | |")
         # An id outside [-1, E) in a synchronizing dispatch: its one host read raises it.
         bad = idx.clone()
         bad[0, 0] = E
@@ -150,7 +160,7 @@ def run(tokens_list: list[int], iters: int) -> list[str]:
         else:
             raise AssertionError("a synchronizing dispatch with an invalid expert id did not raise")
         _check(buffer, x, idx, w, False, True, f"{tokens} after an invalid id")
-        lines.append(f"| {tokens}: invalid id raised, next call correct | ok | | | | | |")
+        lines.append(f"| {tokens}: invalid id raised, next call correct | ok | | | | | | | |")
         buffer.destroy()
     return lines
 
@@ -163,8 +173,8 @@ def main() -> None:
     [lines] = run_local_ranks(run, 1, args.tokens, args.iters, pg_backend="nccl",
                               deadline_s=600)
     print("| call | disp us | disp floor us | disp x floor | comb us | comb floor us | "
-          "comb x floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          "comb x floor | disp host us | comb host us |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     print("\n".join(lines))
 
 

@@ -53,8 +53,11 @@ def test_bench_small_two_ranks(tmp_path):
         for layout in ("compact", "expand"):
             row = paths[(f"collective {what}", layout)]
             assert row["tokens"] == 16 and row["us"] > 0 and row["floor_us"] > 0, row
+            assert row["host_us"] == row["us"], row  # (on CPU the host's time is the call's)
     assert {"copy x", "a2a x"} <= {what for what, _ in paths}
+    assert paths[("copy x", "")]["host_us"] is None
     assert "| collective combine | 16 | expand |" in proc.stdout
+    assert "| ratio | goal | host us |" in proc.stdout
 
 
 def test_cli_help_and_import_has_no_side_effects():

@@ -22,7 +22,9 @@ Baselines, same data and run:
   and `index_add_` back into fp32 tokens (combine), as a plain-torch MoE layer would.
 
 Each figure is the mean of back-to-back calls between two synchronizations (CUDA events on a
-GPU), after warm-up: for the synchronizing dispatch that includes its host round trip. Its
+GPU), after warm-up: for the synchronizing dispatch that includes its host round trip. A path's
+row also gives the host time per call of the same loop (until its calls return): about the
+figure where the host bounds the path, less where the device does. Its
 goal on a GPU is set against `sync-free, then wait`: the sync-free call followed by the host's
 wait for its stream, the least a call that hands counts to the host can cost (back to back, a
 sync-free call's launch overlaps the previous call's kernels; a synchronizing one cannot).
@@ -37,14 +39,17 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["PathRow", "run_paths", "shared_replays", "shared_rows", "low_latency_pair",
-           "low_latency_rows", "format_paths", "plot_paths", "example", "copy_us", "time_us"]
+           "low_latency_rows", "format_paths", "plot_paths", "example", "copy_us", "time_us",
+           "time_calls"]
 
 
 @dataclass
 class PathRow:
     """One timed path or baseline: `what` (e.g. "symmetric dispatch sync-free"), tokens per
     rank, layout ("compact", "expand" or "" for a baseline of the tokens), microseconds per
-    call, and `floor_us` / `goal` where the path has one (None otherwise)."""
+    call, and `floor_us` / `goal` where the path has one (None otherwise); `host_us`, for a
+    path's own calls, the host time per call of the same loop (the time for the calls to
+    return): about `us` where the host bounds the path, less where the device does."""
 
     what: str
     tokens: int
@@ -52,25 +57,36 @@ class PathRow:
     us: float
     floor_us: Optional[float] = None
     goal: Optional[str] = None
+    host_us: Optional[float] = None
 
 
-def time_us(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
-    """Mean microseconds per call of `fn`, back to back after `warmup` calls."""
+def time_calls(fn: Callable[[], object], device: torch.device, iters: int,
+               warmup: int = 3) -> tuple[float, float]:
+    """Mean microseconds per call of `fn`, back to back after `warmup` calls, and the host's
+    microseconds per call in the same loop (until the last call returns; on CPU the same)."""
     for _ in range(warmup):
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        start_s = time.perf_counter()
         for _ in range(iters):
             fn()
+        host_s = time.perf_counter() - start_s
         end.record()
         torch.cuda.synchronize(device)
-        return start.elapsed_time(end) * 1e3 / iters
+        return start.elapsed_time(end) * 1e3 / iters, host_s * 1e6 / iters
     start_s = time.perf_counter()
     for _ in range(iters):
         fn()
-    return (time.perf_counter() - start_s) * 1e6 / iters
+    us = (time.perf_counter() - start_s) * 1e6 / iters
+    return us, us
+
+
+def time_us(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Mean microseconds per call of `fn`, back to back after `warmup` calls."""
+    return time_calls(fn, device, iters, warmup)[0]
 
 
 def example(tokens: int, hidden: int, topk: int, experts: int, device: torch.device,
@@ -143,9 +159,9 @@ def _paths_of(buffer, backend: str, x, idx, weights, num_experts: int, expand: b
         dispatch(False)
         torch.cuda.current_stream(device).synchronize()
 
-    free = time_us(lambda: dispatch(False), device, iters)
-    comb = time_us(combine, device, iters)
-    sync = time_us(lambda: dispatch(True), device, iters)
+    free, free_host = time_calls(lambda: dispatch(False), device, iters)
+    comb, comb_host = time_calls(combine, device, iters)
+    sync, sync_host = time_calls(lambda: dispatch(True), device, iters)
     waited = time_us(dispatch_and_wait, device, iters) if device.type == "cuda" else None
     out_rows = state["out"][0].shape[0]  # the synchronizing call's exact rows
     floor = dispatch_floor = combine_floor = None
@@ -154,13 +170,13 @@ def _paths_of(buffer, backend: str, x, idx, weights, num_experts: int, expand: b
         combine_floor = base["a2a_us"](out_rows * row_bytes) + base["copy"]
     rows = [
         PathRow(f"{backend} dispatch sync-free", tokens, layout, free, dispatch_floor,
-                "<= 1.5x floor" if dispatch_floor else None),
+                "<= 1.5x floor" if dispatch_floor else None, free_host),
         PathRow(f"{backend} dispatch do_cpu_sync", tokens, layout, sync,
                 waited + 25.0 if goals and waited is not None else dispatch_floor,
                 "<= sync-free + wait + 25 us" if goals and waited is not None else
-                ("<= 1.5x floor" if dispatch_floor else None)),
+                ("<= 1.5x floor" if dispatch_floor else None), sync_host),
         PathRow(f"{backend} combine", tokens, layout, comb, combine_floor,
-                "<= 1.5x floor" if combine_floor else None),
+                "<= 1.5x floor" if combine_floor else None, comb_host),
     ]
     if waited is not None:
         rows.insert(1, PathRow(f"{backend} dispatch sync-free, then wait", tokens, layout,
@@ -173,12 +189,12 @@ def _paths_of(buffer, backend: str, x, idx, weights, num_experts: int, expand: b
         with torch.cuda.graph(graph):
             dispatch(False)
             combine()
-        replay = time_us(graph.replay, device, iters)
+        replay, replay_host = time_calls(graph.replay, device, iters)
         goal = None
         if goals and tokens <= 128:
             floor, goal = (40.0, "<= 40 us") if expand else (25.0, "<= 25 us")
         rows.append(PathRow(f"{backend} graph replay dispatch+combine", tokens, layout, replay,
-                            floor, goal))
+                            floor, goal, replay_host))
     return rows
 
 
@@ -334,15 +350,16 @@ def run_paths(tokens_list: Sequence[int], hidden: int, topk: int, experts: int,
 
 
 def format_paths(rows: Sequence[dict]) -> str:
-    """The rows as one markdown table: us per call, the floor or goal figure, their ratio."""
-    lines = ["| path | tokens | layout | us | floor / goal us | ratio | goal |",
-             "|---|---:|---|---:|---:|---:|---|"]
+    """The rows as one markdown table: us per call, the floor or goal figure, their ratio, the
+    host us per call where timed."""
+    lines = ["| path | tokens | layout | us | floor / goal us | ratio | goal | host us |",
+             "|---|---:|---|---:|---:|---:|---|---:|"]
     for row in rows:
-        floor = row["floor_us"]
+        floor, host = row["floor_us"], row.get("host_us")
         ratio = f"{row['us'] / floor:.2f}" if floor else ""
         lines.append(f"| {row['what']} | {row['tokens']} | {row['layout']} | {row['us']:.1f} | "
                      f"{'' if floor is None else f'{floor:.1f}'} | {ratio} | "
-                     f"{row['goal'] or ''} |")
+                     f"{row['goal'] or ''} | {'' if host is None else f'{host:.1f}'} |")
     return "\n".join(lines)
 
 
