@@ -187,3 +187,32 @@ def test_shared_rows_set_each_layout_against_n_times_its_ep1_replay(monkeypatch)
     assert [(r["layout"], r["us"], r["floor_us"], r["goal"]) for r in rows] == [
         ("compact", 300.0, 240.0, "<= 8x EP=1"), ("expand", 480.0, 400.0, "<= 8x EP=1")]
     assert all(r["what"].endswith("8 processes sharing the GPU") for r in rows)
+
+
+@pytest.mark.parametrize("expand", [False, True])
+def test_floor_copy_writes_the_valid_bytes_into_an_output_of_the_calls_size(expand: bool):
+    """The collective floor's copy: the valid rows' bytes into a fresh tensor as large as the
+    call's output (an expand output keeps its alignment gaps, a sync-free one its capacity),
+    so on CPU it pays the page faults of the output the call must return."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from epcomm.bench import _output_copies
+    hidden = 8
+    handle = SimpleNamespace(
+        do_expand=expand, num_tokens=5, num_output_rows=40,
+        num_unaligned_recv_tokens_per_expert=torch.tensor([3, 0, 4]),
+        psum_num_recv_tokens_per_scaleup_rank=torch.tensor([2, 6]))
+    made = []
+
+    def measure(fn):
+        made.append(fn())
+        return {"s": [1e-6]}
+
+    figures = _output_copies(measure, handle, hidden, "bf16", torch.device("cpu"))
+    valid = 7 if expand else 6
+    assert figures["dispatch_out_bytes"] == valid * 2 * hidden
+    assert figures["combine_out_bytes"] == 5 * 2 * hidden
+    assert [out.numel() for out in made] == [40 * 2 * hidden, 5 * 2 * hidden]
+    assert figures["copy_dispatch_out"] == figures["copy_combine_out"] == {"s": [1e-6]}
