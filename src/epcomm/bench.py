@@ -494,10 +494,10 @@ def _output_copies(measure, handle, hidden: int, dtype: str, device: torch.devic
     """One copy of the bytes a dispatch and a combine must write to their outputs, timed: the
     valid rows (compact rows, or (row, local slot) pairs in the expand layout; the combined
     [T, H] bf16) written as one run into a fresh tensor of the output's size, as the call makes
-    it (an expand output with its alignment gaps, a sync-free one at capacity). With the all-to-all
-    of the same bytes, the collective backend's floor. On CPU the size matters: the written
-    pages of a fresh allocation above glibc's mmap threshold (32 MiB at most) fault one by
-    one, the expand output's at alignment 128 among them."""
+    it (an expand output with its alignment gaps, a sync-free one at capacity). With the
+    all-to-all of the same bytes, the collective backend's floor. On CPU the size matters: the
+    written pages of a fresh allocation above glibc's mmap threshold (32 MiB at most) fault one
+    by one, the expand output's at alignment 128 among them."""
     rows = handle.num_unaligned_recv_tokens_per_expert.sum() if handle.do_expand else \
         handle.psum_num_recv_tokens_per_scaleup_rank[-1]
     row_bytes = _row_bytes(hidden, dtype)

@@ -24,10 +24,11 @@ Baselines, same data and run:
 Each figure is the mean of back-to-back calls between two synchronizations (CUDA events on a
 GPU), after warm-up: for the synchronizing dispatch that includes its host round trip. A path's
 row also gives the host time per call of the same loop (until its calls return): about the
-figure where the host bounds the path, less where the device does. Its
-goal on a GPU is set against `sync-free, then wait`: the sync-free call followed by the host's
-wait for its stream, the least a call that hands counts to the host can cost (back to back, a
-sync-free call's launch overlaps the previous call's kernels; a synchronizing one cannot).
+figure where the host bounds the path, less where the device does. The synchronizing
+dispatch's goal on a GPU is set against `sync-free, then wait`: the sync-free call followed by
+the host's wait for its stream, the least a call that hands counts to the host can cost (back
+to back, a sync-free call's launch overlaps the previous call's kernels; a synchronizing one
+cannot).
 """
 from __future__ import annotations
 
