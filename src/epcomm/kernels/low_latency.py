@@ -708,8 +708,7 @@ def ll_combine_send(bases_ptr, rank, num_ranks, num_local, max_tokens, num_parts
                 tl.store(_at(row, tl.int16, ALIGN)[:, None] + cc[None, :], values, mask=both)
     # phase-mark: ll-combine-send-copied
     # Arrived at the source (E_l * P per owner and call).
-    add_counters((base + arrive_off + rank * 8 + rr * 0).to(tl.pointer_type(tl.int64)), one,
-                 SCOPE)
+    add_counters(peer_counters(base + rr * 0, arrive_off, rank), one, SCOPE)
     # phase-mark: ll-combine-send-arrived
 
 
